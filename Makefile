@@ -1,0 +1,36 @@
+# Set-up and main jobs. Everything installs into .venv, created when missing.
+# PyTorch is installed only when .venv cannot import it; CUDA users override TORCH_SPEC, e.g.
+#   make quickstart TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu128"
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.lit-memtrain-installed
+PYTEST_ARGS ?=
+
+.PHONY: install quickstart test bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install $(TORCH_SPEC)
+	$(PY) -m pip install -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+quickstart: $(STAMP)
+	$(VENV)/bin/lit-memtrain fit --config configs/quickstart.yaml
+	$(VENV)/bin/lit-memtrain generate --model outputs/quickstart/export --prompt "What is 17 + 25?"
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) -m pip install -e '.[test,bench]'
+	$(PY) benchmarks/packing.py
+
+clean:
+	rm -rf outputs lightning_logs wandb .pytest_cache

@@ -1,0 +1,59 @@
+"""Finding the repeated decoder layers of a model.
+
+Why: checkpointing, tiled MLPs and activation offloading act per decoder layer. They must work on our
+``CausalLMModule`` and on a user's own LightningModule holding a Hugging Face model (possibly wrapped by
+PEFT), so they search for the layer stack rather than assume an attribute path.
+"""
+
+from __future__ import annotations
+
+import operator
+
+from torch import nn
+
+_LAYER_LIST_NAMES = ("layers", "h", "blocks")
+
+
+def _is_layer_stack(name: str, module: nn.Module) -> bool:
+    if not isinstance(module, nn.ModuleList) or len(module) == 0:
+        return False
+    kinds = {type(child) for child in module}
+    if len(kinds) != 1:
+        return False
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return isinstance(module[0], GradientCheckpointingLayer) or name.rsplit(".", 1)[-1] in _LAYER_LIST_NAMES
+
+
+def find_decoder_layers(model: nn.Module, path: str | None = None) -> nn.ModuleList:
+    """Return the ``nn.ModuleList`` of decoder layers inside ``model``.
+
+    Args:
+        model: any module holding a decoder stack (a LightningModule, a Hugging Face model, a PEFT model).
+        path: dotted attribute path to the layer list (``"model.model.layers"``); searched for when omitted.
+
+    Raises:
+        ValueError: no layer stack, or several candidate stacks and no ``path`` to choose one.
+    """
+    if path is not None:
+        try:
+            found = operator.attrgetter(path)(model)
+        except AttributeError as error:
+            raise ValueError(f"{type(model).__name__} has no attribute path {path!r}: {error}") from error
+        if not isinstance(found, nn.ModuleList):
+            raise ValueError(f"{path!r} is a {type(found).__name__}, expected an nn.ModuleList of decoder layers.")
+        return found
+    candidates = [(name, module) for name, module in model.named_modules() if _is_layer_stack(name, module)]
+    if not candidates:
+        raise ValueError(
+            f"Could not find decoder layers in {type(model).__name__}: no nn.ModuleList of identical blocks named "
+            f"{' / '.join(_LAYER_LIST_NAMES)} and no transformers GradientCheckpointingLayer list. "
+            "Pass the layers explicitly (for example layers_path='model.layers')."
+        )
+    if len(candidates) > 1:
+        names = ", ".join(repr(name) for name, _ in candidates)
+        raise ValueError(
+            f"Found several decoder layer stacks in {type(model).__name__}: {names}. "
+            "Pass the one to use explicitly (layers_path=...)."
+        )
+    return candidates[0][1]

@@ -1,0 +1,1 @@
+"""lit-memtrain strategies."""
