@@ -1,0 +1,65 @@
+"""``lit-memtrain``: LightningCLI for fit/validate, plus small subcommands of our own.
+
+``fit`` and ``validate`` take ``--config configs/*.yaml`` and ``--model.*``, ``--data.*``, ``--trainer.*``
+arguments (also in the ``--key=value`` form a W&B sweep agent passes). The tokenizer is given once, as
+``data.tokenizer``, and linked to the model so that exports carry it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from lightning.pytorch.cli import LightningCLI
+
+from lit_memtrain.datamodules.sft import SFTDataModule
+from lit_memtrain.module import CausalLMModule
+
+_OWN_SUBCOMMANDS_HELP = """
+lit-memtrain subcommands of its own:
+  generate   answer a prompt with an exported model (lit-memtrain generate --help)
+"""
+
+
+class MemTrainCLI(LightningCLI):
+    """LightningCLI for :class:`CausalLMModule` and :class:`SFTDataModule`."""
+
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.link_arguments("data.tokenizer", "model.tokenizer")
+
+
+def _generate(argv: list[str]) -> None:
+    from lit_memtrain.generate import generate_answer
+
+    parser = argparse.ArgumentParser(prog="lit-memtrain generate", description="Greedy answer from an exported model.")
+    parser.add_argument("--model", required=True, help="exported Hugging Face directory")
+    parser.add_argument("--prompt", required=True, action="append", help="user message (repeatable)")
+    parser.add_argument("--max_new_tokens", type=int, default=32)
+    args = parser.parse_args(argv)
+    for prompt in args.prompt:
+        print(f"prompt: {prompt}\nanswer: {generate_answer(args.model, prompt, args.max_new_tokens)}")
+
+
+SUBCOMMANDS: dict[str, Callable[[list[str]], None]] = {"generate": _generate}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        SUBCOMMANDS[argv[0]](argv[1:])
+        return
+    if argv in ([], ["-h"], ["--help"]):
+        print(_OWN_SUBCOMMANDS_HELP)
+    MemTrainCLI(
+        CausalLMModule,
+        SFTDataModule,
+        save_config_kwargs={"overwrite": True},
+        args=argv,
+        auto_configure_optimizers=False,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""The embedded default: a tokenizer and a conversational dataset made offline.
+
+Why: the quickstart and the tests must run on a machine that cannot reach a model hub. We generate
+small, learnable chat tasks (two-digit addition, reversing and sorting words), train a byte-level BPE
+tokenizer on them with the ``tokenizers`` library and give it a ChatML template. Both are written to a
+local directory and then loaded through the ordinary ``from_pretrained`` / ``load_dataset`` code, so the
+real loading path is what runs.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+from pathlib import Path
+
+EMBEDDED = "lit-memtrain/embedded"
+"""Pass as ``tokenizer`` or ``dataset`` to use the embedded default."""
+
+_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}"
+    "{{ '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+"""ChatML, with ``{% generation %}`` marks so assistant tokens can be masked exactly."""
+
+
+def default_cache_dir() -> Path:
+    """Where the embedded tokenizer and data live: ``$LIT_MEMTRAIN_HOME`` or ``~/.cache/lit-memtrain``."""
+    import os
+
+    return Path(os.environ.get("LIT_MEMTRAIN_HOME", Path.home() / ".cache" / "lit-memtrain"))
+
+
+def _random_word(rng: random.Random) -> str:
+    return "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 7)))
+
+
+def make_conversation(rng: random.Random) -> list[dict[str, str]]:
+    """One user question and its exact answer, from one of three tasks."""
+    task = rng.randrange(3)
+    if task == 0:
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        question, answer = f"What is {a} + {b}?", str(a + b)
+    elif task == 1:
+        word = _random_word(rng)
+        question, answer = f"Reverse the word {word}.", word[::-1]
+    else:
+        word = _random_word(rng)
+        question, answer = f"Sort the letters of {word}.", "".join(sorted(word))
+    return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+
+
+def write_embedded_dataset(path: Path, num_examples: int = 6000, seed: int = 0) -> Path:
+    """Write ``num_examples`` conversations as JSON lines (one ``messages`` list per line)."""
+    rng = random.Random(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w") as f:
+        for _ in range(num_examples):
+            f.write(json.dumps({"messages": make_conversation(rng)}) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def write_embedded_tokenizer(directory: Path, vocab_size: int = 384, seed: int = 0) -> Path:
+    """Train a byte-level BPE tokenizer on generated conversations and save it as a HF tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(seed)
+    corpus = []
+    for _ in range(4000):
+        for message in make_conversation(rng):
+            corpus.append(f"<|im_start|>{message['role']}\n{message['content']}<|im_end|>\n")
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=_SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(corpus, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(directory))
+    return directory
+
+
+def embedded_tokenizer_path(cache_dir: Path | None = None) -> str:
+    """Directory of the embedded tokenizer, created on first use."""
+    directory = (cache_dir or default_cache_dir()) / "tokenizer"
+    if not (directory / "tokenizer.json").exists():
+        write_embedded_tokenizer(directory)
+    return str(directory)
+
+
+def embedded_dataset_path(cache_dir: Path | None = None) -> str:
+    """JSON-lines file of the embedded conversational dataset, created on first use."""
+    path = (cache_dir or default_cache_dir()) / "conversations.jsonl"
+    if not path.exists():
+        write_embedded_dataset(path)
+    return str(path)

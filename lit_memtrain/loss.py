@@ -1,0 +1,226 @@
+"""Cross-entropy for causal LMs, plain and chunked.
+
+Why a chunked loss: the logits of a step are tokens x vocabulary, upcast to fp32 for the log-sum-exp. For
+Qwen3 (151,936 tokens in the vocabulary) at 160k tokens that is 97 GB, the first thing to run out of memory
+as the sequence grows. ``chunked_cross_entropy`` takes the final hidden states and the LM-head weight
+instead of logits, and computes the logits of ``chunk_size`` rows at a time in forward and again in
+backward, so at most one chunk of logits exists at any moment. Only what backward needs is saved: the
+hidden states, the weight, the kept targets and one fp32 log-sum-exp per row.
+
+Rows whose target is ``-100`` are dropped before any logits are computed, so prompt tokens and padding
+cost nothing.
+
+Normalisation: both functions return ``sum of token losses / num_items``. ``num_items`` is the number of
+trainable tokens of the whole optimizer step (all gradient-accumulation micro-batches, all ranks), so that
+micro-batches of different sizes weigh their tokens equally; ``None`` counts the trainable targets passed
+in. A count of 0 is treated as 1: a micro-batch whose labels are all ignored gives a loss of exactly 0.0
+that is still connected to the graph (zero gradients, no NaN, every rank still runs backward).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+IGNORE_INDEX = -100
+
+__all__ = ["IGNORE_INDEX", "chunked_cross_entropy", "cross_entropy"]
+
+
+def _validate_num_items(num_items: int | Tensor | None) -> None:
+    if num_items is None:
+        return
+    if isinstance(num_items, Tensor):
+        if num_items.numel() != 1:
+            raise ValueError(f"num_items must be a scalar tensor, got shape {tuple(num_items.shape)}.")
+        return
+    if isinstance(num_items, bool) or not isinstance(num_items, int):
+        raise TypeError(f"num_items must be an int, a scalar tensor or None, got {type(num_items).__name__}.")
+    if num_items < 0:
+        raise ValueError(f"num_items must be >= 0 (trainable tokens in the step), got {num_items}.")
+
+
+def _validate_softcap(softcap: float | None) -> None:
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be a positive number or None, got {softcap}.")
+
+
+def _validate_targets(targets: Tensor, rows: int) -> None:
+    if targets.dim() != 1 or targets.shape[0] != rows:
+        raise ValueError(
+            f"targets must have shape [{rows}] (one per row), got {tuple(targets.shape)}. "
+            "Flatten batch and sequence dimensions first."
+        )
+    if targets.dtype != torch.long:
+        raise TypeError(f"targets must be torch.long, got {targets.dtype}.")
+
+
+def _normalise(loss_sum: Tensor, num_items: int | Tensor | None, local_count: int | Tensor) -> Tensor:
+    denominator = local_count if num_items is None else num_items
+    if isinstance(denominator, Tensor):
+        return loss_sum / denominator.to(device=loss_sum.device, dtype=loss_sum.dtype).clamp(min=1)
+    return loss_sum / max(denominator, 1)
+
+
+def cross_entropy(
+    logits: Tensor,
+    targets: Tensor,
+    num_items: int | Tensor | None = None,
+    softcap: float | None = None,
+) -> Tensor:
+    """Plain cross-entropy over ``logits`` [N, V] (upcast to fp32), summed and divided by ``num_items``.
+
+    Args:
+        logits: [N, V] logits, any floating dtype.
+        targets: [N] long, ``-100`` for ignored positions.
+        num_items: trainable tokens of the whole step; ``None`` counts the non-ignored ``targets``.
+        softcap: if set, logits become ``softcap * tanh(logits / softcap)`` first (Gemma-style capping).
+
+    Returns:
+        A 0-d fp32 tensor.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be 2-D [N, V], got shape {tuple(logits.shape)}. Flatten batch and sequence.")
+    _validate_targets(targets, logits.shape[0])
+    _validate_num_items(num_items)
+    _validate_softcap(softcap)
+    logits = logits.float()
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    loss_sum = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    return _normalise(loss_sum, num_items, (targets != IGNORE_INDEX).sum())
+
+
+def _chunk_logits(hidden_rows: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None) -> Tensor:
+    """fp32 logits of some rows, capped when ``softcap`` is set."""
+    logits = F.linear(hidden_rows, weight, bias).float()
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    return logits
+
+
+class _ChunkedCrossEntropySum(torch.autograd.Function):
+    """Sum of token losses over the rows ``kept_rows`` of ``hidden``, never holding all logits at once."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        kept_rows: Tensor,
+        kept_targets: Tensor,
+        chunk_size: int,
+        softcap: float | None,
+    ) -> Tensor:
+        lse = torch.empty(kept_rows.shape[0], dtype=torch.float32, device=hidden.device)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, kept_rows.shape[0], chunk_size):
+            rows = kept_rows[start : start + chunk_size]
+            chunk_targets = kept_targets[start : start + chunk_size]
+            logits = _chunk_logits(hidden.index_select(0, rows), weight, bias, softcap)
+            chunk_lse = torch.logsumexp(logits, dim=1)
+            lse[start : start + chunk_size] = chunk_lse
+            loss_sum += (chunk_lse - logits.gather(1, chunk_targets.unsqueeze(1)).squeeze(1)).sum()
+        ctx.save_for_backward(hidden, weight, bias, kept_rows, kept_targets, lse)
+        ctx.chunk_size = chunk_size
+        ctx.softcap = softcap
+        return loss_sum
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        hidden, weight, bias, kept_rows, kept_targets, lse = ctx.saved_tensors
+        chunk_size, softcap = ctx.chunk_size, ctx.softcap
+        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.zeros_like(hidden) if needs_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight else None
+        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if needs_bias else None
+        scale = grad_output.float()
+        for start in range(0, kept_rows.shape[0], chunk_size):
+            rows = kept_rows[start : start + chunk_size]
+            chunk_targets = kept_targets[start : start + chunk_size]
+            hidden_rows = hidden.index_select(0, rows)
+            logits = _chunk_logits(hidden_rows, weight, bias, softcap)
+            grad_logits = torch.exp(logits - lse[start : start + chunk_size].unsqueeze(1))
+            grad_logits[torch.arange(rows.shape[0], device=rows.device), chunk_targets] -= 1
+            grad_logits *= scale
+            if softcap is not None:
+                # d(softcap * tanh(z / softcap)) / dz = 1 - tanh^2, with tanh = capped / softcap.
+                grad_logits *= 1 - (logits / softcap).square()
+            del logits
+            if grad_bias is not None:
+                grad_bias += grad_logits.sum(dim=0)
+            grad_logits = grad_logits.to(hidden.dtype)
+            if grad_hidden is not None:
+                grad_hidden.index_copy_(0, rows, grad_logits @ weight)
+            if grad_weight is not None:
+                if hidden_rows.dtype == torch.float32:
+                    grad_weight.addmm_(grad_logits.t(), hidden_rows)
+                else:
+                    grad_weight += grad_logits.t() @ hidden_rows
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def chunked_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    num_items: int | Tensor | None = None,
+    chunk_size: int = 1024,
+    softcap: float | None = None,
+    bias: Tensor | None = None,
+) -> Tensor:
+    """Cross-entropy of ``hidden @ weight.T (+ bias)`` without materialising the [N, V] logits.
+
+    Equal to ``cross_entropy(F.linear(hidden, weight, bias), targets, num_items, softcap)`` in value and
+    gradients, with logits computed ``chunk_size`` trainable rows at a time (recomputed in backward).
+
+    Args:
+        hidden: [N, H] final hidden states (after the final norm), any floating dtype.
+        weight: [V, H] LM-head weight, same dtype as ``hidden``. May be tied to the input embedding.
+        targets: [N] long, already shifted, ``-100`` for ignored positions.
+        num_items: trainable tokens of the whole step (across micro-batches and ranks); ``None`` counts the
+            non-ignored ``targets``.
+        chunk_size: rows per chunk; peak extra memory is about ``chunk_size * V * 6`` bytes for bf16 inputs.
+        softcap: if set, logits become ``softcap * tanh(logits / softcap)``.
+        bias: optional [V] LM-head bias, same dtype as ``weight``.
+
+    Returns:
+        A 0-d fp32 tensor.
+
+    Example:
+        >>> out = model.model(input_ids, use_cache=False)  # doctest: +SKIP
+        >>> loss = chunked_cross_entropy(  # doctest: +SKIP
+        ...     out.last_hidden_state.flatten(0, 1), model.lm_head.weight, targets.flatten(), num_items=n_tokens
+        ... )
+    """
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be 2-D [N, H], got shape {tuple(hidden.shape)}. Flatten batch and sequence.")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(
+            f"weight must have shape [V, {hidden.shape[1]}] to match hidden [N, H], got {tuple(weight.shape)}."
+        )
+    if not hidden.is_floating_point() or weight.dtype != hidden.dtype:
+        raise TypeError(
+            f"hidden and weight must share one floating dtype, got hidden {hidden.dtype} and weight {weight.dtype}."
+        )
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != weight.dtype):
+        raise ValueError(
+            f"bias must have shape [{weight.shape[0]}] and dtype {weight.dtype}, "
+            f"got {tuple(bias.shape)} {bias.dtype}."
+        )
+    _validate_targets(targets, hidden.shape[0])
+    _validate_num_items(num_items)
+    _validate_softcap(softcap)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}.")
+    kept_rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)
+    loss_sum = _ChunkedCrossEntropySum.apply(
+        hidden, weight, bias, kept_rows, targets.index_select(0, kept_rows), chunk_size, softcap
+    )
+    return _normalise(loss_sum, num_items, kept_rows.shape[0])

@@ -1,0 +1,301 @@
+"""CausalLMModule: a Hugging Face causal LM trained with Lightning, with a chunked loss by default.
+
+Why the loss is computed here and not by the model: ``model(..., labels=...)`` materialises the
+``[tokens, vocab]`` logits, the first memory wall at long context. With ``loss_type="chunked"`` the module
+runs the decoder body and hands the final hidden states and the LM-head weight to
+:func:`lit_memtrain.loss.chunked_cross_entropy`, which never holds the full logits.
+
+The model is always called with ``use_cache=False``; padding-free batches carry ``position_ids`` and no
+attention mask, which is how transformers keeps packed documents from attending to each other.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import Tensor
+from torchmetrics import MeanMetric
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from lit_memtrain.loss import IGNORE_INDEX, chunked_cross_entropy, cross_entropy
+from lit_memtrain.presets import build_config
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_BATCH_ONLY_KEYS = ("labels", "num_trainable_tokens", "num_tokens", "seq_lengths")
+_VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def shift_targets(labels: Tensor) -> Tensor:
+    """Targets aligned with each position: ``labels`` moved left by one, -100 at the last position."""
+    return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def _check_attn_implementation(name: str) -> None:
+    if name.startswith("flash_attention") and importlib.util.find_spec("flash_attn") is None:
+        raise ValueError(
+            f"attn_implementation={name!r} needs the flash-attn package, which is not installed. "
+            "Install it with: pip install 'lit-memtrain[flash]' (CUDA only), or use 'sdpa'."
+        )
+
+
+class CausalLMModule(LightningModule):
+    """Fine-tune a causal LM from the hub, a local directory, or random weights from a preset/config.
+
+    Args:
+        model: hub id or local path passed to ``AutoModelForCausalLM.from_pretrained``.
+        preset: a preset name from :data:`lit_memtrain.presets.PRESETS` (random weights), used when
+            ``model`` is not given; ``config`` may be a dict with ``model_type`` instead.
+        config_overrides: config values applied on top of the preset (for example ``num_hidden_layers``).
+        tokenizer: tokenizer to export with the model (linked to the datamodule's by the CLI). A model built
+            from a preset takes its vocabulary size from it unless ``config_overrides`` sets ``vocab_size``.
+        dtype: parameter dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto`` (the checkpoint's).
+        attn_implementation: ``sdpa``, ``eager``, ``flex_attention``, ``flash_attention_2`` or a hub kernel
+            name such as ``kernels-community/flash-attn``.
+        model_init_kwargs: extra arguments for the model constructor, e.g. YaRN
+            ``{"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+            "original_max_position_embeddings": 40960}}``.
+        loss_type: ``chunked`` (never materialises the logits) or ``nll`` (plain logits + cross-entropy).
+        loss_chunk_size: rows per chunk of the chunked loss.
+        learning_rate, weight_decay, betas: AdamW settings; no decay on biases and norm weights.
+        warmup: warmup steps (int) or fraction of the total steps (float < 1), then cosine decay
+            to ``min_lr_ratio * learning_rate``.
+        export_dir: at the end of fit, write a Hugging Face directory (model + tokenizer) here.
+
+    Example:
+        >>> module = CausalLMModule(preset="tiny-qwen3", tokenizer="lit-memtrain/embedded")
+        >>> trainer = Trainer(max_steps=20)  # doctest: +SKIP
+        >>> trainer.fit(module, datamodule=SFTDataModule(max_length=64))  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        preset: str | None = None,
+        config: dict[str, Any] | None = None,
+        config_overrides: dict[str, Any] | None = None,
+        tokenizer: str | None = None,
+        dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32",
+        attn_implementation: str = "sdpa",
+        model_init_kwargs: dict[str, Any] | None = None,
+        loss_type: Literal["chunked", "nll"] = "chunked",
+        loss_chunk_size: int = 1024,
+        learning_rate: float = 2e-5,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        warmup: float = 0.03,
+        min_lr_ratio: float = 0.1,
+        export_dir: str | None = None,
+        trust_remote_code: bool = False,
+    ) -> None:
+        super().__init__()
+        sources = [name for name, value in (("model", model), ("preset", preset), ("config", config)) if value]
+        if len(sources) != 1:
+            raise ValueError(
+                f"Give exactly one of model (hub id or path), preset (one of lit_memtrain.PRESETS) or config "
+                f"(a dict with model_type); got {sources or 'none'}."
+            )
+        if dtype != "auto" and dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {[*_DTYPES, 'auto']}, got {dtype!r}.")
+        if loss_type not in ("chunked", "nll"):
+            raise ValueError(f"loss_type must be 'chunked' or 'nll', got {loss_type!r}.")
+        if loss_chunk_size < 1:
+            raise ValueError(f"loss_chunk_size must be a positive number of rows, got {loss_chunk_size}.")
+        if warmup < 0 or not 0 <= min_lr_ratio <= 1:
+            raise ValueError(f"warmup must be >= 0 and min_lr_ratio in [0, 1]; got {warmup} and {min_lr_ratio}.")
+        _check_attn_implementation(attn_implementation)
+        self.save_hyperparameters()
+        from lit_memtrain.tokenizer import load_tokenizer
+
+        self.tokenizer = load_tokenizer(tokenizer) if tokenizer else None
+        self.model: PreTrainedModel = self._build_model()
+        self.train_tokens_seen = 0
+        self.first_train_loss: float | None = None
+        self.last_train_loss: float | None = None
+        self._step_started_at: float | None = None
+        self.val_token_nll = MeanMetric()
+        self.val_token_accuracy = MeanMetric()
+
+    def _build_model(self) -> PreTrainedModel:
+        hp = self.hparams
+        init_kwargs = dict(hp.model_init_kwargs or {})
+        dtype = "auto" if hp.dtype == "auto" else _DTYPES[hp.dtype]
+        common = {"attn_implementation": hp.attn_implementation, "trust_remote_code": hp.trust_remote_code}
+        if hp.model:
+            return AutoModelForCausalLM.from_pretrained(hp.model, dtype=dtype, **common, **init_kwargs)
+        overrides = dict(hp.config_overrides or {})
+        if self.tokenizer is not None:
+            overrides.setdefault("vocab_size", len(self.tokenizer))
+            for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
+                overrides.setdefault(name, getattr(self.tokenizer, name))
+        overrides.update(init_kwargs)
+        model_config = build_config(hp.preset or hp.config, overrides)
+        return AutoModelForCausalLM.from_config(
+            model_config, dtype=torch.float32 if dtype == "auto" else dtype, **common
+        )
+
+    def _model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
+        inputs = {k: v for k, v in batch.items() if k not in _BATCH_ONLY_KEYS and k not in _VARLEN_KEYS}
+        if "flash" in self.hparams.attn_implementation:
+            inputs.update({k: batch[k] for k in _VARLEN_KEYS if k in batch})
+        inputs["use_cache"] = False
+        return inputs
+
+    def _lm_head_weight(self) -> tuple[Tensor, Tensor | None]:
+        head = self.model.get_output_embeddings()
+        return head.weight, head.bias
+
+    def _softcap(self) -> float | None:
+        config = self.model.config
+        for unsupported in ("logit_scale", "logits_scaling"):
+            if getattr(config, unsupported, None) not in (None, 1, 1.0):
+                raise ValueError(
+                    f"This model scales its logits ({unsupported}={getattr(config, unsupported)}), which the chunked "
+                    "loss does not replicate. Use loss_type='nll'."
+                )
+        return getattr(config, "final_logit_softcapping", None)
+
+    def _hidden_and_head(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor | None]:
+        decoder = self.model.get_decoder()
+        hidden = decoder(**self._model_inputs(batch)).last_hidden_state
+        weight, bias = self._lm_head_weight()
+        return hidden.flatten(0, 1), weight, bias
+
+    def compute_loss(self, batch: dict[str, Any], num_items: int | Tensor | None = None) -> Tensor:
+        """Mean cross-entropy over the batch's trainable target tokens (or divided by ``num_items``)."""
+        targets = shift_targets(batch["labels"]).flatten()
+        if self.hparams.loss_type == "nll":
+            logits = self.model(**self._model_inputs(batch)).logits
+            return cross_entropy(logits.flatten(0, 1), targets, num_items)
+        hidden, weight, bias = self._hidden_and_head(batch)
+        return chunked_cross_entropy(
+            hidden, weight, targets, num_items, self.hparams.loss_chunk_size, self._softcap(), bias
+        )
+
+    @torch.no_grad()
+    def token_losses(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor]:
+        """Per-token loss, correctness of the argmax prediction, and position in document, for trainable targets."""
+        targets = shift_targets(batch["labels"]).flatten()
+        keep = targets != IGNORE_INDEX
+        if "position_ids" in batch:
+            positions = batch["position_ids"].expand_as(batch["labels"]).flatten()
+        else:
+            positions = torch.arange(batch["labels"].shape[-1], device=targets.device).expand_as(batch["labels"])
+            positions = positions.flatten()
+        if self.hparams.loss_type == "nll":
+            hidden = self.model(**self._model_inputs(batch)).logits.flatten(0, 1)[keep]
+            weight, bias, softcap = None, None, None
+        else:
+            hidden, weight, bias = self._hidden_and_head(batch)
+            hidden, softcap = hidden[keep], self._softcap()
+        losses, correct = [], []
+        for start in range(0, hidden.shape[0], self.hparams.loss_chunk_size):
+            rows = hidden[start : start + self.hparams.loss_chunk_size]
+            logits = rows.float() if weight is None else F.linear(rows, weight, bias).float()
+            if softcap:
+                logits = softcap * torch.tanh(logits / softcap)
+            chunk_targets = targets[keep][start : start + self.hparams.loss_chunk_size]
+            losses.append(F.cross_entropy(logits, chunk_targets, reduction="none"))
+            correct.append(logits.argmax(-1) == chunk_targets)
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return (
+            torch.cat(losses) if losses else empty,
+            torch.cat(correct) if correct else empty.bool(),
+            positions[keep] + 1,
+        )
+
+    @staticmethod
+    def count_tokens(batch: dict[str, Any]) -> int:
+        """Real (non-padding) input tokens in a batch."""
+        if "num_tokens" in batch:
+            return int(batch["num_tokens"])
+        if "attention_mask" in batch:
+            return int(batch["attention_mask"].sum())
+        return batch["input_ids"].numel()
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        loss = self.compute_loss(batch)
+        self.train_tokens_seen += self.count_tokens(batch)
+        value = loss.detach().item()
+        if self.first_train_loss is None:
+            self.first_train_loss = value
+        self.last_train_loss = value
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/ppl", math.exp(min(value, 50.0)))
+        self.log("train/tokens", float(self.train_tokens_seen))
+        return loss
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._step_started_at = time.perf_counter()
+        self._step_tokens = self.count_tokens(batch)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        elapsed = time.perf_counter() - self._step_started_at
+        if elapsed > 0:
+            tokens_per_sec = self._step_tokens * self.trainer.world_size / elapsed
+            self.log("train/tokens_per_sec", tokens_per_sec, prog_bar=True)
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Tensor]:
+        losses, correct, positions = self.token_losses(batch)
+        if losses.numel():
+            self.val_token_nll.update(losses)
+            self.val_token_accuracy.update(correct.float())
+        return {"loss": losses.mean() if losses.numel() else losses.sum(), "token_losses": losses, "token_positions": positions}
+
+    def on_validation_epoch_end(self) -> None:
+        if self.val_token_nll.update_count == 0:
+            return
+        nll = self.val_token_nll.compute()
+        self.log("val/loss", nll, prog_bar=True)
+        self.log("val/ppl", torch.exp(nll))
+        self.log("val/token_accuracy", self.val_token_accuracy.compute())
+        self.val_token_nll.reset()
+        self.val_token_accuracy.reset()
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        trainable = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
+        decay = [p for n, p in trainable if p.ndim >= 2]
+        no_decay = [p for n, p in trainable if p.ndim < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=hp.learning_rate,
+            betas=tuple(hp.betas),
+        )
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        warmup = int(hp.warmup * total) if hp.warmup < 1 else int(hp.warmup)
+
+        def lr_factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / (warmup + 1)
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_train_end(self) -> None:
+        if self.first_train_loss is not None:
+            self.print(
+                f"train loss: first {self.first_train_loss:.4f} -> last {self.last_train_loss:.4f} "
+                f"over {self.trainer.global_step} steps, {self.train_tokens_seen} tokens"
+            )
+
+    def on_fit_end(self) -> None:
+        if self.hparams.export_dir and self.trainer.is_global_zero:
+            path = self.export(self.hparams.export_dir)
+            self.print(f"exported Hugging Face model to {path}")
+
+    def export(self, directory: str | Path) -> Path:
+        """Write a Hugging Face directory (``save_pretrained`` of model and tokenizer) that ``from_pretrained`` loads."""
+        directory = Path(directory)
+        self.model.save_pretrained(directory)
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(directory)
+        return directory

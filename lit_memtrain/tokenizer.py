@@ -1,0 +1,28 @@
+"""Loading a tokenizer by hub id, local path or the embedded default, with a usable pad token."""
+
+from __future__ import annotations
+
+import warnings
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from lit_memtrain.datamodules.embedded import EMBEDDED, embedded_tokenizer_path
+
+
+def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
+    """Load a tokenizer; ``"lit-memtrain/embedded"`` builds the offline default on first use.
+
+    A tokenizer without a pad token gets its eos token as pad token, with a warning: padding positions are
+    masked out of attention and loss, so the choice does not change training.
+    """
+    path = embedded_tokenizer_path() if name_or_path == EMBEDDED else name_or_path
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"Tokenizer {name_or_path!r} has neither a pad token nor an eos token to pad with.")
+        warnings.warn(
+            f"Tokenizer {name_or_path!r} has no pad token; using its eos token {tokenizer.eos_token!r} for padding.",
+            stacklevel=2,
+        )
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
