@@ -47,6 +47,11 @@ def detect_format(columns: list[str], requested: DatasetFormat = "auto") -> str:
 
 
 def _ids(tokenizer: Any, text: str) -> list[int]:
+    if not isinstance(text, str):
+        raise ValueError(
+            f"Expected text, got a {type(text).__name__} value {text!r}. Text columns must hold strings "
+            "(a CSV column of numbers is read as numbers: quote it or convert the column to strings)."
+        )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

@@ -1,0 +1,128 @@
+import json
+import warnings
+
+import datasets
+import pytest
+import torch
+
+from lit_memtrain.datamodules.collate import PaddedCollator
+from lit_memtrain.datamodules.embedded import EMBEDDED
+from lit_memtrain.datamodules.sft import SFTDataModule
+from lit_memtrain.tokenizer import load_tokenizer
+
+ROWS = [{"prompt": f"What is {i} + 1?", "completion": f" it is {i + 1}"} for i in range(10)]
+
+
+def _setup(**kwargs):
+    dm = SFTDataModule(**kwargs)
+    dm.setup("fit")
+    return dm
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet", ".csv"])
+def test_loads_local_files(tmp_path, suffix):
+    path = tmp_path / f"data{suffix}"
+    frame = datasets.Dataset.from_list(ROWS)
+    if suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    elif suffix == ".json":
+        path.write_text(json.dumps(ROWS))
+    elif suffix == ".parquet":
+        frame.to_parquet(str(path))
+    else:
+        frame.to_csv(str(path), index=False)
+    dm = _setup(dataset=str(path))
+    assert len(dm.train_dataset) == len(ROWS)
+    assert dm.train_dataset[3]["input_ids"] == _setup(dataset=datasets.Dataset.from_list(ROWS)).train_dataset[3]["input_ids"]
+
+
+def test_loads_text_files_as_language_modelling(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("first line of text\nsecond line\n")
+    dm = _setup(dataset=str(path))
+    assert len(dm.train_dataset) == 2
+    assert dm.train_dataset[0]["labels"] == dm.train_dataset[0]["input_ids"]
+
+
+def test_numbers_in_a_text_column_are_an_error(tmp_path):
+    path = tmp_path / "numbers.csv"
+    path.write_text("prompt,completion\nWhat is 1 + 1?,2\n")
+    with pytest.raises(ValueError, match="Expected text, got a int value 2"):
+        _setup(dataset=str(path))
+
+
+def test_validation_split_and_held_out_size():
+    data = datasets.Dataset.from_list(ROWS)
+    dm = _setup(dataset=data, val_size=3)
+    assert (len(dm.train_dataset), len(dm.val_dataset)) == (7, 3)
+    both = datasets.DatasetDict({"train": data, "validation": data.select(range(2))})
+    dm = _setup(dataset=both, val_split="validation")
+    assert (len(dm.train_dataset), len(dm.val_dataset)) == (10, 2)
+    assert _setup(dataset=data).val_dataloader() == []
+
+
+def test_drops_examples_without_trainable_tokens_and_counts_them():
+    rows = ROWS[:4] + [{"prompt": "x " * 50, "completion": " y"}]
+    with pytest.warns(UserWarning, match="Dropped 1 of 5 train examples"):
+        dm = _setup(dataset=datasets.Dataset.from_list(rows), max_length=20)
+    assert dm.num_dropped == 1
+    assert len(dm.train_dataset) == 4
+
+
+def test_empty_after_filtering_is_an_error():
+    rows = [{"prompt": "a long prompt " * 20, "completion": " y"}]
+    with pytest.raises(ValueError, match="empty after filtering: all 1 examples have no trainable token"):
+        _setup(dataset=datasets.Dataset.from_list(rows), max_length=8)
+
+
+def test_unknown_format_lists_columns_and_formats():
+    with pytest.raises(ValueError, match=r"columns \['question'\]. Supported formats: text"):
+        _setup(dataset=datasets.Dataset.from_list([{"question": "q"}]))
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="max_length must be at least 1 token, got 0"):
+        SFTDataModule(max_length=0)
+    with pytest.raises(ValueError, match="either val_size"):
+        SFTDataModule(val_size=0.1, val_split="validation")
+
+
+def test_chat_data_needs_a_chat_template(tmp_path, tokenizer):
+    bare = tmp_path / "bare"
+    tokenizer.save_pretrained(str(bare))
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    (bare / "chat_template.jinja").unlink(missing_ok=True)
+    data = datasets.Dataset.from_list([{"messages": [{"role": "user", "content": "hi"}]}])
+    with pytest.raises(ValueError, match="conversational but tokenizer .* has no chat template"):
+        _setup(tokenizer=str(bare), dataset=data)
+
+
+def test_tokenizer_without_pad_token_uses_eos(tmp_path, tokenizer):
+    nopad = tmp_path / "nopad"
+    tokenizer.save_pretrained(str(nopad))
+    config = json.loads((nopad / "tokenizer_config.json").read_text())
+    config["pad_token"] = None
+    (nopad / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.warns(UserWarning, match="no pad token; using its eos token"):
+        loaded = load_tokenizer(str(nopad))
+    assert loaded.pad_token_id == loaded.eos_token_id
+
+
+def test_padded_collation_with_pad_to_multiple_of():
+    collate = PaddedCollator(pad_token_id=0, pad_to_multiple_of=8)
+    batch = collate([{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": list(range(1, 10)), "labels": list(range(1, 10))}])
+    assert batch["input_ids"].shape == (2, 16)
+    assert batch["input_ids"][0].tolist() == [5, 6, 7] + [0] * 13
+    assert batch["labels"][0].tolist() == [-100, 6, 7] + [-100] * 13
+    assert batch["attention_mask"].sum(1).tolist() == [3, 9]
+    with pytest.raises(ValueError, match="pad_to_multiple_of"):
+        PaddedCollator(0, pad_to_multiple_of=0)
+
+
+def test_embedded_dataloader_batches():
+    dm = _setup(tokenizer=EMBEDDED, dataset=EMBEDDED, max_length=64, batch_size=4, pad_to_multiple_of=16)
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["input_ids"].shape[0] == 4 and batch["input_ids"].shape[1] % 16 == 0
+    assert torch.all((batch["labels"] == -100) | (batch["labels"] == batch["input_ids"]))

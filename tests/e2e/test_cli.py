@@ -1,0 +1,53 @@
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from transformers import AutoModelForCausalLM
+
+from lit_memtrain.cli import MemTrainCLI, main
+from lit_memtrain.datamodules.sft import SFTDataModule
+from lit_memtrain.module import CausalLMModule
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
+
+
+def test_twenty_step_fit_through_the_cli(tmp_path, capsys):
+    export = tmp_path / "export"
+    main([
+        "fit",
+        "--config", QUICKSTART,
+        "--trainer.max_steps=20",
+        "--trainer.val_check_interval=20",
+        "--trainer.limit_val_batches=2",
+        "--trainer.enable_progress_bar=false",
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
+        "--model.config_overrides={hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, head_dim: 16}",
+        "--model.learning_rate=0.005",
+        f"--model.export_dir={export}",
+        "--data.batch_size=16",
+    ])
+    out = capsys.readouterr().out
+    first, last = map(float, re.search(r"train loss: first ([\d.]+) -> last ([\d.]+) over 20 steps", out).groups())
+    assert last < first - 0.5
+    assert AutoModelForCausalLM.from_pretrained(export).config.num_hidden_layers == 2
+    assert (tmp_path / "logs").is_dir()
+
+
+def test_quickstart_config_parses_and_links_the_tokenizer():
+    cli = MemTrainCLI(CausalLMModule, SFTDataModule, args=["--config", QUICKSTART, "--model.learning_rate=0.01"], run=False)
+    assert isinstance(cli.model, CausalLMModule) and isinstance(cli.datamodule, SFTDataModule)
+    assert cli.model.hparams.learning_rate == 0.01
+    assert cli.model.hparams.tokenizer == cli.datamodule.tokenizer_name == "lit-memtrain/embedded"
+    assert cli.datamodule.max_length == 64
+    assert cli.model.model.config.vocab_size == len(cli.datamodule.tokenizer)
+
+
+def test_fit_help_runs_as_a_console_command():
+    result = subprocess.run(
+        [sys.executable, "-m", "lit_memtrain.cli", "fit", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    for option in ("--model.loss_type", "--model.attn_implementation", "--data.max_length", "--data.pad_to_multiple_of"):
+        assert option in result.stdout

@@ -1,0 +1,120 @@
+import importlib.util
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from lit_memtrain.datamodules.collate import PaddedCollator
+from lit_memtrain.module import CausalLMModule, shift_targets
+
+YARN = {"rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 4.0, "original_max_position_embeddings": 512}
+
+
+def _batch(vocab: int, rows: int = 2, length: int = 12, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (rows, length), generator=g)
+    labels = ids.clone()
+    labels[:, :4] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+def _module(preset: str = "tiny-qwen3", **kwargs) -> CausalLMModule:
+    torch.manual_seed(0)
+    return CausalLMModule(preset=preset, **kwargs)
+
+
+def test_shift_targets():
+    assert shift_targets(torch.tensor([[1, 2, 3]])).tolist() == [[2, 3, -100]]
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-llama"])
+def test_chunked_loss_matches_plain_loss_and_gradients(preset):
+    chunked = _module(preset, loss_type="chunked", loss_chunk_size=5)
+    plain = _module(preset, loss_type="nll")
+    batch = _batch(chunked.model.config.vocab_size)
+    loss_c, loss_p = chunked.compute_loss(batch), plain.compute_loss(batch)
+    loss_c.backward()
+    loss_p.backward()
+    torch.testing.assert_close(loss_c, loss_p, rtol=1e-5, atol=1e-6)
+    for (name, a), b in zip(chunked.model.named_parameters(), plain.model.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("loss_type", ["chunked", "nll"])
+def test_all_ignored_labels_give_zero_loss_connected_to_graph(loss_type):
+    module = _module(loss_type=loss_type)
+    batch = _batch(module.model.config.vocab_size)
+    batch["labels"].fill_(-100)
+    loss = module.compute_loss(batch)
+    assert loss.item() == 0.0 and loss.requires_grad
+    loss.backward()
+    grads = [p.grad for p in module.model.parameters() if p.grad is not None]
+    assert grads and all(torch.all(g == 0) for g in grads)
+
+
+def test_padded_batch_loss_equals_token_weighted_loss_of_each_example():
+    module = _module()
+    examples = [{"input_ids": [5, 6, 7, 8, 9], "labels": [-100, -100, 7, 8, 9]}, {"input_ids": [3, 4, 5], "labels": [3, 4, 5]}]
+    batch = PaddedCollator(pad_token_id=0, pad_to_multiple_of=8)(examples)
+    batched = module.compute_loss(batch)
+    singles = [module.compute_loss(PaddedCollator(0)([e])) for e in examples]
+    counts = [3, 2]  # trainable targets after the shift: 7, 8, 9 and 4, 5
+    expected = sum(loss * n for loss, n in zip(singles, counts)) / sum(counts)
+    torch.testing.assert_close(batched, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_export_reloads_with_identical_logits(tmp_path, tokenizer):
+    module = _module(tokenizer="lit-memtrain/embedded", export_dir=str(tmp_path / "export"))
+    path = module.export(tmp_path / "export")
+    reloaded = AutoModelForCausalLM.from_pretrained(path)
+    ids = torch.randint(0, len(tokenizer), (2, 10))
+    module.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(module.model(ids).logits, reloaded(ids).logits, rtol=0, atol=0)
+    assert (path / "tokenizer.json").exists()
+    assert module.model.config.vocab_size == len(tokenizer)
+
+
+def test_loads_a_local_pretrained_model_with_yarn_rope(tmp_path):
+    _module().model.save_pretrained(tmp_path / "base")
+    plain = CausalLMModule(model=str(tmp_path / "base"))
+    yarn = CausalLMModule(model=str(tmp_path / "base"), model_init_kwargs={"rope_parameters": YARN})
+    assert yarn.model.config.rope_parameters["rope_type"] == "yarn"
+    assert plain.model.config.rope_parameters["rope_type"] == "default"
+    rotary_plain, rotary_yarn = plain.model.model.rotary_emb, yarn.model.model.rotary_emb
+    assert rotary_yarn.attention_scaling > 1.0 == rotary_plain.attention_scaling
+    assert not torch.allclose(rotary_plain.inv_freq, rotary_yarn.inv_freq)
+
+
+def test_model_init_kwargs_reach_a_model_built_from_a_preset():
+    module = _module(model_init_kwargs={"rope_parameters": YARN})
+    assert module.model.config.rope_parameters == module.model.model.rotary_emb.config.rope_parameters
+    assert module.model.config.rope_parameters["rope_type"] == "yarn"
+    assert module.model.model.rotary_emb.rope_type == "yarn"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash-attn is installed")
+def test_flash_attention_without_flash_attn_names_the_extra():
+    with pytest.raises(ValueError, match=r"lit-memtrain\[flash\]"):
+        CausalLMModule(preset="tiny-qwen3", attn_implementation="flash_attention_2")
+
+
+def test_hub_kernel_attention_names_pass_through(monkeypatch):
+    seen = {}
+
+    def fake_from_config(config, **kwargs):
+        seen.update(kwargs)
+        return torch.nn.Linear(1, 1)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_config", fake_from_config)
+    CausalLMModule(preset="tiny-qwen3", attn_implementation="kernels-community/flash-attn")
+    assert seen["attn_implementation"] == "kernels-community/flash-attn"
+
+
+def test_needs_exactly_one_model_source():
+    with pytest.raises(ValueError, match="exactly one of model"):
+        CausalLMModule()
+    with pytest.raises(ValueError, match=r"got \['model', 'preset'\]"):
+        CausalLMModule(model="x", preset="tiny-qwen3")
+    with pytest.raises(ValueError, match="Unknown model preset 'nope'"):
+        CausalLMModule(preset="nope")
