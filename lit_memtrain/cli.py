@@ -19,6 +19,7 @@ from lit_memtrain.module import CausalLMModule
 _OWN_SUBCOMMANDS_HELP = """
 lit-memtrain subcommands of its own:
   generate   answer a prompt with an exported model (lit-memtrain generate --help)
+  export     merge a checkpoint's LoRA adapter and write a Hugging Face directory (lit-memtrain export --help)
 """
 
 
@@ -41,7 +42,19 @@ def _generate(argv: list[str]) -> None:
         print(f"prompt: {prompt}\nanswer: {generate_answer(args.model, prompt, args.max_new_tokens)}")
 
 
-SUBCOMMANDS: dict[str, Callable[[list[str]], None]] = {"generate": _generate}
+def _export(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="lit-memtrain export",
+        description="Write a Hugging Face directory from a fit checkpoint, merging any LoRA adapter.",
+    )
+    parser.add_argument("--checkpoint", required=True, help="a .ckpt written by lit-memtrain fit")
+    parser.add_argument("--output", required=True, help="directory to write (save_pretrained layout)")
+    args = parser.parse_args(argv)
+    module = CausalLMModule.load_from_checkpoint(args.checkpoint, map_location="cpu", weights_only=False)
+    print(f"exported {args.checkpoint} to {module.export(args.output)}")
+
+
+SUBCOMMANDS: dict[str, Callable[[list[str]], None]] = {"generate": _generate, "export": _export}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,6 +24,7 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from lit_memtrain.lora import LoraSettings, apply_lora, head_weight, merged_copy, quantization_config
 from lit_memtrain.loss import IGNORE_INDEX, chunked_cross_entropy, cross_entropy
 from lit_memtrain.presets import build_config
 
@@ -66,7 +67,10 @@ class CausalLMModule(LightningModule):
         learning_rate, weight_decay, betas: AdamW settings; no decay on biases and norm weights.
         warmup: warmup steps (int) or fraction of the total steps (float < 1), then cosine decay
             to ``min_lr_ratio * learning_rate``.
-        export_dir: at the end of fit, write a Hugging Face directory (model + tokenizer) here.
+        lora: train a LoRA adapter instead of all weights (:class:`~lit_memtrain.lora.LoraSettings`);
+            with ``quantize`` the base is loaded in 4 or 8 bits (QLoRA, CUDA only). When the base comes from
+            ``model``, checkpoints hold only the adapter.
+        export_dir: at the end of fit, write a Hugging Face directory (model + tokenizer, adapter merged) here.
 
     Example:
         >>> module = CausalLMModule(preset="tiny-qwen3", tokenizer="lit-memtrain/embedded")
@@ -91,6 +95,7 @@ class CausalLMModule(LightningModule):
         betas: tuple[float, float] = (0.9, 0.999),
         warmup: float = 0.03,
         min_lr_ratio: float = 0.1,
+        lora: LoraSettings | None = None,
         export_dir: str | None = None,
         trust_remote_code: bool = False,
     ) -> None:
@@ -110,11 +115,18 @@ class CausalLMModule(LightningModule):
         if warmup < 0 or not 0 <= min_lr_ratio <= 1:
             raise ValueError(f"warmup must be >= 0 and min_lr_ratio in [0, 1]; got {warmup} and {min_lr_ratio}.")
         _check_attn_implementation(attn_implementation)
+        if lora is not None and lora.quantize and not model:
+            raise ValueError("QLoRA (lora.quantize) quantizes a checkpoint while loading it: give model=<hub id or path>.")
         self.save_hyperparameters()
         from lit_memtrain.tokenizer import load_tokenizer
 
         self.tokenizer = load_tokenizer(tokenizer) if tokenizer else None
         self.model: PreTrainedModel = self._build_model()
+        if lora is not None:
+            self.model = apply_lora(self.model, lora)
+        self.model.train()  # from_pretrained returns eval mode, which Lightning would keep through fit
+        self.adapter_only_checkpoints = lora is not None and bool(model)
+        self.strict_loading = not self.adapter_only_checkpoints
         self.train_tokens_seen = 0
         self.first_train_loss: float | None = None
         self.last_train_loss: float | None = None
@@ -128,6 +140,9 @@ class CausalLMModule(LightningModule):
         dtype = "auto" if hp.dtype == "auto" else _DTYPES[hp.dtype]
         common = {"attn_implementation": hp.attn_implementation, "trust_remote_code": hp.trust_remote_code}
         if hp.model:
+            if hp.lora is not None and hp.lora.quantize:
+                compute_dtype = torch.bfloat16 if dtype in ("auto", torch.float32) else dtype
+                init_kwargs["quantization_config"] = quantization_config(hp.lora, compute_dtype)
             return AutoModelForCausalLM.from_pretrained(hp.model, dtype=dtype, **common, **init_kwargs)
         overrides = dict(hp.config_overrides or {})
         if self.tokenizer is not None:
@@ -148,8 +163,7 @@ class CausalLMModule(LightningModule):
         return inputs
 
     def _lm_head_weight(self) -> tuple[Tensor, Tensor | None]:
-        head = self.model.get_output_embeddings()
-        return head.weight, head.bias
+        return head_weight(self.model.get_output_embeddings())
 
     def _softcap(self) -> float | None:
         config = self.model.config
@@ -292,10 +306,18 @@ class CausalLMModule(LightningModule):
             path = self.export(self.hparams.export_dir)
             self.print(f"exported Hugging Face model to {path}")
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.adapter_only_checkpoints:
+            trainable = {f"model.{name}" for name, p in self.model.named_parameters() if p.requires_grad}
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
+
     def export(self, directory: str | Path) -> Path:
-        """Write a Hugging Face directory (``save_pretrained`` of model and tokenizer) that ``from_pretrained`` loads."""
+        """Write a Hugging Face directory (model with any adapter merged, and tokenizer) that ``from_pretrained`` loads."""
         directory = Path(directory)
-        self.model.save_pretrained(directory)
+        base = None
+        if self.hparams.lora is not None and self.hparams.lora.quantize:
+            base = AutoModelForCausalLM.from_pretrained(self.hparams.model, dtype=torch.bfloat16)
+        merged_copy(self.model, base).save_pretrained(directory)
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(directory)
         return directory

@@ -1,0 +1,79 @@
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from transformers import AutoModelForCausalLM
+
+from lit_memtrain.cli import main
+from lit_memtrain.datamodules.sft import SFTDataModule
+from lit_memtrain.lora import LoraSettings
+from lit_memtrain.module import CausalLMModule
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory, tokenizer):
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("base")
+    CausalLMModule(preset="tiny-qwen3", tokenizer="lit-memtrain/embedded").export(path)
+    return str(path)
+
+
+def _batch(vocab: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def test_lora_fit_changes_only_adapter_weights_and_export_merges(base_dir, tmp_path):
+    lora = LoraSettings(r=4, alpha=8, lm_head=True)
+    module = CausalLMModule(model=base_dir, tokenizer="lit-memtrain/embedded", lora=lora, learning_rate=1e-2)
+    before = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+    trainer = Trainer(max_steps=3, logger=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    trainer.fit(module, datamodule=SFTDataModule(max_length=48, batch_size=4))
+    changed = {n for n, p in module.model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all("lora_" in n for n in changed)
+    assert any("lm_head.lora_B" in n for n in changed)
+
+    ckpt = tmp_path / "adapter.ckpt"
+    trainer.save_checkpoint(ckpt)
+    saved = torch.load(ckpt, weights_only=False)["state_dict"]
+    assert saved and all("lora_" in k for k in saved)
+
+    main(["export", "--checkpoint", str(ckpt), "--output", str(tmp_path / "merged")])
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    batch = _batch(merged.config.vocab_size)
+    module.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(batch["input_ids"]).logits, module.model(batch["input_ids"]).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_chunked_loss_with_lora_head_matches_plain_loss(base_dir):
+    lora = LoraSettings(r=4, alpha=8, lm_head=True)
+    torch.manual_seed(0)
+    chunked = CausalLMModule(model=base_dir, lora=lora, loss_type="chunked", loss_chunk_size=7)
+    torch.manual_seed(0)
+    plain = CausalLMModule(model=base_dir, lora=lora, loss_type="nll")
+    for module in (chunked, plain):  # LoRA B starts at zero: give it values so the head adapter matters
+        for name, p in module.model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, generator=torch.Generator().manual_seed(hash(name) % 1000), std=0.02)
+    batch = _batch(chunked.model.config.vocab_size)
+    loss_c, loss_p = chunked.compute_loss(batch), plain.compute_loss(batch)
+    loss_c.backward()
+    loss_p.backward()
+    torch.testing.assert_close(loss_c, loss_p, rtol=1e-5, atol=1e-6)
+    grads_p = dict(plain.model.named_parameters())
+    for name, p in chunked.model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, grads_p[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_lora_settings_are_validated():
+    with pytest.raises(ValueError, match="r >= 1"):
+        LoraSettings(r=0)
+    with pytest.raises(ValueError, match="quantizes a checkpoint while loading"):
+        CausalLMModule(preset="tiny-qwen3", lora=LoraSettings(quantize="4bit"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_qlora_without_cuda_is_a_clear_error(base_dir):
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        CausalLMModule(model=base_dir, lora=LoraSettings(quantize="4bit"))
