@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from lightning.pytorch.cli import LightningCLI
 
+from lit_memtrain.allocator import enable_expandable_segments
 from lit_memtrain.datamodules.sft import SFTDataModule
 from lit_memtrain.module import CausalLMModule
 
@@ -58,7 +59,8 @@ SUBCOMMANDS: dict[str, Callable[[list[str]], None]] = {"generate": _generate, "e
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point."""
+    """Console entry point. Sets the allocator to expandable segments before anything initialises CUDA."""
+    enable_expandable_segments()
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in SUBCOMMANDS:
         SUBCOMMANDS[argv[0]](argv[1:])

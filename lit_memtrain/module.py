@@ -233,8 +233,16 @@ class CausalLMModule(LightningModule):
             return int(batch["attention_mask"].sum())
         return batch["input_ids"].numel()
 
+    def _num_items_per_rank(self, batch: dict[str, Any]) -> Tensor | None:
+        """Trainable targets of the whole step divided by the world size, so that DDP's gradient average
+        weights every token across ranks equally (None on one device: the batch's own count)."""
+        if self.trainer.world_size == 1:
+            return None
+        local = (shift_targets(batch["labels"]) != IGNORE_INDEX).sum()
+        return self.trainer.strategy.reduce(local, reduce_op="sum") / self.trainer.world_size
+
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
-        loss = self.compute_loss(batch)
+        loss = self.compute_loss(batch, self._num_items_per_rank(batch))
         self.train_tokens_seen += self.count_tokens(batch)
         value = loss.detach().item()
         if self.first_train_loss is None:

@@ -1,8 +1,10 @@
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from transformers import AutoModelForCausalLM
 
 from lit_memtrain.cli import MemTrainCLI, main
@@ -51,3 +53,16 @@ def test_fit_help_runs_as_a_console_command():
     assert result.returncode == 0, result.stderr
     for option in ("--model.loss_type", "--model.attn_implementation", "--data.max_length", "--data.pad_to_multiple_of"):
         assert option in result.stdout
+
+
+def test_the_cli_sets_expandable_segments_unless_the_user_chose(monkeypatch):
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == os.environ["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "backend:native")
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    assert os.environ["PYTORCH_ALLOC_CONF"] == "backend:native" and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
