@@ -20,6 +20,7 @@ from lit_memtrain.module import CausalLMModule
 _OWN_SUBCOMMANDS_HELP = """
 lit-memtrain subcommands of its own:
   generate   answer a prompt with an exported model (lit-memtrain generate --help)
+  lengths    token-length profile and a recommended max_length (lit-memtrain lengths --help)
   export     merge a checkpoint's LoRA adapter and write a Hugging Face directory (lit-memtrain export --help)
 """
 
@@ -55,7 +56,39 @@ def _export(argv: list[str]) -> None:
     print(f"exported {args.checkpoint} to {module.export(args.output)}")
 
 
-SUBCOMMANDS: dict[str, Callable[[list[str]], None]] = {"generate": _generate, "export": _export}
+_UNBOUNDED_LENGTH = 2**31 - 1
+
+
+def _lengths(argv: list[str]) -> None:
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    from lit_memtrain.datamodules.length_profile import profile_lengths, write_histogram
+
+    parser = ArgumentParser(
+        prog="lit-memtrain lengths",
+        description="Token-length profile of a dataset, to choose max_length. Takes the same data options as fit "
+        "(and a fit --config, whose model and trainer sections are ignored); examples are measured untruncated.",
+    )
+    parser.add_argument("--config", action=ActionConfigFile)
+    parser.add_class_arguments(SFTDataModule, "data")
+    parser.add_argument("--model", type=dict | None, default=None, help="ignored (fit configs carry it)")
+    parser.add_argument("--trainer", type=dict | None, default=None, help="ignored (fit configs carry it)")
+    parser.add_argument("--seed_everything", type=int | bool | None, default=None, help="ignored")
+    parser.add_argument("--candidates", type=list[int] | None, default=None, help="max_length values to compare")
+    parser.add_argument("--max_truncated_token_share", type=float, default=0.01)
+    parser.add_argument("--histogram", type=str, default="lengths.png", help="PNG to write")
+    args = parser.parse_args(argv)
+    data = parser.instantiate_classes(args).data
+    data.max_length, data.packing = _UNBOUNDED_LENGTH, False  # profile whole examples
+    data.setup("fit")
+    lengths = [len(ids) for ids in data.train_dataset["input_ids"]]
+    report = profile_lengths(lengths, args.candidates, data.batch_size, args.max_truncated_token_share)
+    print(report.to_table())
+    write_histogram(report, args.histogram)
+    print(f"histogram: {args.histogram}")
+
+
+SUBCOMMANDS: dict[str, Callable[[list[str]], None]] = {"generate": _generate, "export": _export, "lengths": _lengths}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,6 +31,7 @@ from lit_memtrain.presets import build_config
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _BATCH_ONLY_KEYS = ("labels", "num_trainable_tokens", "num_tokens", "seq_lengths")
 _VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+_DOCUMENT_AWARE_ATTENTION = frozenset({"eager", "sdpa", "flex_attention"})
 
 
 def shift_targets(labels: Tensor) -> Tensor:
@@ -157,10 +158,28 @@ class CausalLMModule(LightningModule):
 
     def _model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
         inputs = {k: v for k, v in batch.items() if k not in _BATCH_ONLY_KEYS and k not in _VARLEN_KEYS}
-        if "flash" in self.hparams.attn_implementation:
-            inputs.update({k: batch[k] for k in _VARLEN_KEYS if k in batch})
+        if "position_ids" in batch and "attention_mask" not in batch:
+            self._check_documents_stay_apart(batch)
+            if "flash" in self.hparams.attn_implementation:
+                inputs.update({k: batch[k] for k in _VARLEN_KEYS if k in batch})
         inputs["use_cache"] = False
         return inputs
+
+    def _check_documents_stay_apart(self, batch: dict[str, Any]) -> None:
+        """Padding-free rows rely on the attention implementation splitting documents at position restarts.
+
+        transformers does that for eager, sdpa and flex_attention (from ``position_ids``, with no attention mask
+        and no cache) and for flash-attention kernels (varlen, from ``cu_seq_lens``); any other implementation
+        would let packed documents attend to each other, so it is refused rather than trained on.
+        """
+        name = self.model.config._attn_implementation
+        if name in _DOCUMENT_AWARE_ATTENTION or "flash" in name:
+            return
+        raise ValueError(
+            f"attn_implementation={name!r} is not known to keep packed documents apart in a padding-free batch, "
+            f"so documents would attend to each other. Use one of {sorted(_DOCUMENT_AWARE_ATTENTION)} or a "
+            "flash-attention kernel, or turn off packing/padding_free."
+        )
 
     def _lm_head_weight(self) -> tuple[Tensor, Tensor | None]:
         return head_weight(self.model.get_output_embeddings())

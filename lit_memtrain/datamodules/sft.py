@@ -8,7 +8,7 @@ Tokenization runs through ``datasets.map`` so it is cached and reused across run
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.pytorch import LightningDataModule
@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lit_memtrain.datamodules.collate import PaddedCollator
+from lit_memtrain.datamodules.padding_free import PaddingFreeCollator
 from lit_memtrain.datamodules.embedded import EMBEDDED, embedded_dataset_path
 from lit_memtrain.datamodules.tokenize import DatasetFormat, detect_format, tokenize_example
 from lit_memtrain.tokenizer import load_tokenizer
@@ -69,6 +70,13 @@ class SFTDataModule(LightningDataModule):
         val_split: name of an existing split to validate on instead.
         batch_size: examples per training batch; ``val_batch_size`` defaults to it.
         pad_to_multiple_of: round the padded length up to a multiple of this.
+        packing: pack whole examples into rows of at most ``max_length`` tokens (after tokenization and
+            truncation; see :func:`~lit_memtrain.datamodules.packing.pack_dataset`). Packed rows are
+            always collated padding-free, so documents never attend to each other.
+        packing_strategy: ``bfd`` (drop overflow), ``bfd_split`` (split long examples, lose nothing) or
+            ``wrapped`` (fixed blocks that cut examples anywhere).
+        padding_free: flatten each batch into one row with ``position_ids`` restarting per document
+            (defaults to ``packing``).
 
     Example:
         >>> dm = SFTDataModule(tokenizer="lit-memtrain/embedded", dataset="lit-memtrain/embedded", max_length=64)
@@ -91,6 +99,9 @@ class SFTDataModule(LightningDataModule):
         batch_size: int = 8,
         val_batch_size: int | None = None,
         pad_to_multiple_of: int | None = None,
+        packing: bool = False,
+        packing_strategy: Literal["bfd", "bfd_split", "wrapped"] = "bfd",
+        padding_free: bool | None = None,
         num_workers: int = 0,
         num_proc: int | None = None,
         seed: int = 42,
@@ -104,6 +115,15 @@ class SFTDataModule(LightningDataModule):
             raise ValueError(f"val_size must be >= 0 (a fraction below 1 or a count), got {val_size}.")
         if val_size and val_split:
             raise ValueError("Give either val_size (hold out part of the training split) or val_split, not both.")
+        if packing and padding_free is False:
+            raise ValueError(
+                "packing=True needs padding-free batches (position ids restarting per document keep packed "
+                "documents apart); drop padding_free=False."
+            )
+        from lit_memtrain.datamodules.packing import STRATEGIES
+
+        if packing_strategy not in STRATEGIES:
+            raise ValueError(f"packing_strategy must be one of {STRATEGIES}, got {packing_strategy!r}.")
         self.save_hyperparameters(ignore=["dataset"] if not isinstance(dataset, str) else None)
         self.tokenizer_name = tokenizer
         self.dataset = dataset
@@ -119,6 +139,9 @@ class SFTDataModule(LightningDataModule):
         self.batch_size = batch_size
         self.val_batch_size = val_batch_size or batch_size
         self.pad_to_multiple_of = pad_to_multiple_of
+        self.packing = packing
+        self.packing_strategy = packing_strategy
+        self.padding_free = packing if padding_free is None else padding_free
         self.num_workers = num_workers
         self.num_proc = num_proc
         self.seed = seed
@@ -194,7 +217,28 @@ class SFTDataModule(LightningDataModule):
                 raise ValueError(f"val_size={self.val_size} leaves no training data out of {len(train)} examples.")
             parts = train.train_test_split(test_size=size, seed=self.seed)
             train, val = parts["train"], parts["test"]
+        if self.packing:
+            train = self._pack(train)
+            val = self._pack(val) if val is not None else None
         return train, val, dropped
+
+    def _pack(self, dataset: Dataset) -> Dataset:
+        """Pack the tokenized split; the result is cached beside the tokenization cache when there is one."""
+        import datasets
+
+        from lit_memtrain.datamodules.packing import pack_dataset
+
+        dataset = dataset.select_columns(["input_ids", "labels"])
+        cache_files = dataset.cache_files
+        if not cache_files:
+            return pack_dataset(dataset, self.max_length, self.packing_strategy)
+        key = f"packed-{dataset._fingerprint}-{self.max_length}-{self.packing_strategy}"
+        path = Path(cache_files[0]["filename"]).parent / key
+        if path.exists():
+            return datasets.load_from_disk(str(path))
+        packed = pack_dataset(dataset, self.max_length, self.packing_strategy)
+        packed.save_to_disk(str(path))
+        return packed
 
     def prepare_data(self) -> None:
         if isinstance(self.dataset, str):
@@ -204,11 +248,13 @@ class SFTDataModule(LightningDataModule):
         if self.train_dataset is None:
             self.train_dataset, self.val_dataset, self.num_dropped = self._prepare()
 
-    def collator(self) -> PaddedCollator:
+    def collator(self) -> PaddedCollator | PaddingFreeCollator:
+        if self.padding_free:
+            return PaddingFreeCollator(self.tokenizer.pad_token_id, self.pad_to_multiple_of)
         return PaddedCollator(self.tokenizer.pad_token_id, self.pad_to_multiple_of)
 
     def _loader(self, dataset: Dataset, batch_size: int, shuffle: bool) -> DataLoader:
-        columns = ["input_ids", "labels"]
+        columns = ["input_ids", "labels", "seq_lengths"] if "seq_lengths" in dataset.column_names else ["input_ids", "labels"]
         return DataLoader(
             dataset.select_columns(columns),
             batch_size=batch_size,

@@ -66,3 +66,11 @@ def test_the_cli_sets_expandable_segments_unless_the_user_chose(monkeypatch):
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     assert os.environ["PYTORCH_ALLOC_CONF"] == "backend:native" and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+
+
+def test_lengths_profiles_the_fit_data_and_writes_a_histogram(tmp_path, capsys):
+    histogram = tmp_path / "lengths.png"
+    main(["lengths", "--config", QUICKSTART, "--candidates=[16, 32, 64]", f"--histogram={histogram}"])
+    out = capsys.readouterr().out
+    assert re.search(r"\* 32\s+0\.00%\s+0\.00%", out), out
+    assert "16      " in out and histogram.stat().st_size > 0

@@ -1,0 +1,277 @@
+"""pack_dataset / plan_packing: exact Best-Fit Decreasing, token accounting, edge cases, TRL parity."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+import trl
+from datasets import Dataset
+
+from lit_memtrain.datamodules.packing import STRATEGIES, pack_dataset, plan_packing
+
+
+def reference_bfd(sizes: list[int], capacity: int) -> list[int]:
+    """Textbook Best-Fit Decreasing; returns the sorted free space of each row."""
+    free: list[int] = []
+    for size in sorted(sizes, reverse=True):
+        fits = [row for row, space in enumerate(free) if space >= size]
+        if fits:
+            best = min(fits, key=lambda row: free[row])
+            free[best] -= size
+        else:
+            free.append(capacity - size)
+    return sorted(free)
+
+
+def unique_token_dataset(lengths: list[int]) -> Dataset:
+    """Every token id is unique, and labels are input ids + 10**6, so misalignment shows."""
+    ids, next_id = [], 0
+    for length in lengths:
+        ids.append(list(range(next_id, next_id + length)))
+        next_id += length
+    return Dataset.from_dict(
+        {
+            "input_ids": ids,
+            "labels": [[token + 10**6 for token in row] for row in ids],
+            "source": [f"example {index}" for index in range(len(lengths))],
+        }
+    )
+
+
+def lognormal_lengths(count: int, seed: int = 0, high: int = 5000) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.clip(np.rint(rng.lognormal(np.log(300), 1.0, count)), 1, high).astype(np.int64)
+
+
+def check_rows(packed: Dataset, source: Dataset, max_length: int, strategy: str) -> None:
+    """Rows fit, columns stay aligned, and each document is one contiguous slice of an example."""
+    examples = {row[0]: row for row in source["input_ids"] if row}
+    for row in packed:
+        assert 0 < len(row["input_ids"]) <= max_length
+        assert row["labels"] == [token + 10**6 for token in row["input_ids"]]
+        if strategy == "wrapped":
+            assert "seq_lengths" not in row
+            continue
+        assert sum(row["seq_lengths"]) == len(row["input_ids"])
+        position = 0
+        for length in row["seq_lengths"]:
+            document = row["input_ids"][position : position + length]
+            position += length
+            first = document[0]
+            example = next(e for start, e in examples.items() if start <= first < start + len(e))
+            offset = first - example[0]
+            assert offset % max_length == 0  # starts the example (bfd) or one of its chunks
+            assert document == example[offset : offset + length]
+
+
+@pytest.mark.parametrize("capacity", [1, 2, 7, 33, 64, 100, 300])
+def test_plan_is_exact_best_fit_decreasing(capacity: int) -> None:
+    rng = np.random.default_rng(capacity)
+    for _ in range(40):
+        sizes = rng.integers(1, capacity + 1, int(rng.integers(1, 60)))
+        plan = plan_packing(sizes, capacity, "bfd")
+        assert sorted((capacity - plan.row_lengths).tolist()) == reference_bfd(sizes.tolist(), capacity)
+        assert sorted(plan.example.tolist()) == list(range(len(sizes)))
+
+
+def test_plan_rows_on_a_hand_example() -> None:
+    plan = plan_packing(np.array([5, 2, 3, 1]), 4, "bfd")
+    rows = [plan.example[a:b].tolist() for a, b in zip(plan.row_offsets[:-1], plan.row_offsets[1:])]
+    assert rows == [[0], [2, 3], [1]]
+    assert plan.stop.tolist() == [4, 3, 1, 2]
+    assert plan.row_lengths.tolist() == [4, 4, 2]
+
+
+def test_plan_is_fast_and_full_on_a_million_lengths() -> None:
+    plan = plan_packing(lognormal_lengths(1_000_000, high=16384), 2048, "bfd")
+    assert plan.row_lengths.max() <= 2048
+    assert plan.fill >= 0.999
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_plan_is_deterministic(strategy: str) -> None:
+    lengths = lognormal_lengths(3000)
+    first, second = plan_packing(lengths, 1024, strategy), plan_packing(lengths, 1024, strategy)
+    for name in ("example", "start", "stop", "row_offsets"):
+        np.testing.assert_array_equal(getattr(first, name), getattr(second, name))
+
+
+def test_bfd_keeps_exactly_the_first_max_length_tokens_of_each_example() -> None:
+    lengths = [7, 0, 3, 12, 4, 4, 1, 9]
+    source = unique_token_dataset(lengths)
+    packed = pack_dataset(source, 4, "bfd")
+    check_rows(packed, source, 4, "bfd")
+    kept = sorted(token for row in source["input_ids"] for token in row[:4])
+    assert sorted(token for row in packed["input_ids"] for token in row) == kept
+    assert sum(map(len, source["input_ids"])) - len(kept) == 3 + 0 + 0 + 8 + 0 + 0 + 0 + 5
+    assert packed.column_names == ["input_ids", "labels", "seq_lengths"]
+
+
+def test_bfd_split_loses_no_token() -> None:
+    lengths = [7, 0, 3, 12, 4, 4, 1, 9]
+    source = unique_token_dataset(lengths)
+    packed = pack_dataset(source, 4, "bfd_split")
+    check_rows(packed, source, 4, "bfd_split")
+    assert sorted(token for row in packed["input_ids"] for token in row) == list(range(sum(lengths)))
+
+
+def test_wrapped_is_the_concatenation_cut_into_blocks() -> None:
+    lengths = [7, 0, 3, 12, 4, 4, 1, 9]
+    source = unique_token_dataset(lengths)
+    packed = pack_dataset(source, 4, "wrapped")
+    check_rows(packed, source, 4, "wrapped")
+    assert [len(row) for row in packed["input_ids"]] == [4] * 10
+    assert [token for row in packed["input_ids"] for token in row] == list(range(40))
+    last = pack_dataset(unique_token_dataset([5, 5]), 4, "wrapped")
+    assert last["input_ids"] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_random_datasets_fit_and_account_for_every_token(strategy: str) -> None:
+    lengths = lognormal_lengths(400, seed=3, high=200).tolist()
+    lengths[::37] = [0] * len(lengths[::37])
+    source = unique_token_dataset(lengths)
+    packed = pack_dataset(source, 64, strategy)
+    check_rows(packed, source, 64, strategy)
+    tokens = [token for row in packed["input_ids"] for token in row]
+    expected = [token for row in source["input_ids"] for token in row[: 64 if strategy == "bfd" else None]]
+    assert sorted(tokens) == expected
+    assert pack_dataset(source, 64, strategy)["input_ids"] == packed["input_ids"]
+
+
+def test_lengths_of_k_max_length_plus_one() -> None:
+    source = unique_token_dataset([2 * 8 + 1, 3 * 8 + 1])
+    split = pack_dataset(source, 8, "bfd_split")
+    assert split["seq_lengths"] == [[8]] * 5 + [[1, 1]]
+    assert sorted(token for row in split["input_ids"] for token in row) == list(range(42))
+    truncated = pack_dataset(source, 8, "bfd")
+    assert truncated["input_ids"] == [list(range(8)), list(range(17, 25))]
+    assert truncated["seq_lengths"] == [[8], [8]]
+
+
+def test_example_of_exactly_max_length_and_single_example() -> None:
+    packed = pack_dataset(unique_token_dataset([8, 3, 5]), 8, "bfd")
+    assert packed["input_ids"] == [list(range(8)), [11, 12, 13, 14, 15, 8, 9, 10]]
+    assert packed["seq_lengths"] == [[8], [5, 3]]
+    for strategy in STRATEGIES:
+        single = pack_dataset(unique_token_dataset([3]), 8, strategy)
+        assert single["input_ids"] == [[0, 1, 2]]
+        assert single["labels"] == [[10**6, 10**6 + 1, 10**6 + 2]]
+
+
+def test_empty_examples_and_empty_dataset() -> None:
+    source = unique_token_dataset([0, 2, 0])
+    for strategy in STRATEGIES:
+        assert pack_dataset(source, 4, strategy)["input_ids"] == [[0, 1]]
+    for strategy in STRATEGIES:
+        assert len(pack_dataset(unique_token_dataset([0, 0]), 4, strategy)) == 0
+    empty = pack_dataset(source.select([]), 4, "bfd")
+    assert len(empty) == 0 and empty.column_names == ["input_ids", "labels", "seq_lengths"]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_selected_and_sliced_datasets_pack_only_their_own_rows(strategy: str) -> None:
+    source = unique_token_dataset([5, 3, 9, 2, 6, 4, 7])
+    keep = 4 if strategy == "bfd" else None
+
+    selected = source.select([5, 2, 0])
+    packed = pack_dataset(selected, 4, strategy)
+    check_rows(packed, selected, 4, strategy)
+    expected = sorted(token for row in selected["input_ids"] for token in row[:keep])
+    assert sorted(token for row in packed["input_ids"] for token in row) == expected
+
+    arrow_slice = source.with_format("arrow")[2:5]
+    assert arrow_slice.column("input_ids").chunk(0).offset == 2  # offsets do not start at 0
+    sliced = Dataset(arrow_slice)
+    packed = pack_dataset(sliced, 4, strategy)
+    check_rows(packed, sliced, 4, strategy)
+    expected = sorted(token for row in source["input_ids"][2:5] for token in row[:keep])
+    assert sorted(token for row in packed["input_ids"] for token in row) == expected
+
+
+def test_format_and_large_list_columns_are_kept() -> None:
+    source = unique_token_dataset([3, 5, 2]).with_format("torch")
+    packed = pack_dataset(source, 8, "bfd")
+    assert packed.format["type"] == "torch"
+    assert isinstance(packed[0]["input_ids"], torch.Tensor)
+    assert packed[0]["seq_lengths"].tolist() == [5, 3]
+
+    table = pa.table({"input_ids": pa.array([[1, 2], [3], [4, 5, 6]], pa.large_list(pa.int64()))})
+    packed = pack_dataset(Dataset(table), 3, "bfd_split")
+    assert packed.data.column("input_ids").type == pa.large_list(pa.int64())
+    assert packed["input_ids"] == [[4, 5, 6], [1, 2, 3]]
+
+
+def test_errors_are_clear() -> None:
+    source = unique_token_dataset([3, 2])
+    for bad in (0, -4, 2.5, True):
+        with pytest.raises(ValueError, match="max_length must be an integer >= 1"):
+            pack_dataset(source, bad)
+    with pytest.raises(ValueError, match="Unknown packing strategy 'ffd'; choose one of bfd, bfd_split, wrapped"):
+        pack_dataset(source, 4, "ffd")
+    with pytest.raises(ValueError, match="no list column to pack among \\['text'\\]"):
+        pack_dataset(Dataset.from_dict({"text": ["a", "b"]}), 4)
+    mismatched = source.add_column("attention_mask", [[1], [1, 1]])
+    with pytest.raises(ValueError, match="Column 'attention_mask' does not have as many items"):
+        pack_dataset(mismatched, 4)
+    with pytest.raises(ValueError, match="lengths must be >= 0"):
+        plan_packing(np.array([3, -1]), 4)
+    with pytest.raises(ValueError, match="1-D array of integer token counts"):
+        plan_packing(np.array([1.5, 2.0]), 4)
+
+
+def test_same_rows_as_trl_on_its_documented_example() -> None:
+    examples = {
+        "input_ids": [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10], [11]],
+        "attention_mask": [[1, 1, 1, 0, 0], [1, 0], [1, 1, 0], [1]],
+    }
+    source = Dataset.from_dict(examples)
+    for strategy in STRATEGIES:
+        assert pack_dataset(source, 4, strategy)[:] == trl.pack_dataset(source, 4, strategy)[:]
+
+
+@pytest.mark.parametrize("strategy", ["bfd", "bfd_split"])
+def test_at_least_as_full_as_trl(strategy: str) -> None:
+    lengths = lognormal_lengths(6000, seed=1)
+    offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
+    column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.arange(offsets[-1], dtype=np.int32)))
+    source = Dataset(pa.table({"input_ids": column}))
+    ours = pack_dataset(source, 2048, strategy)
+    theirs = trl.pack_dataset(source, 2048, strategy)
+    ours_tokens = sum(map(len, ours["input_ids"]))
+    assert ours_tokens == sum(map(len, theirs["input_ids"]))
+    assert len(ours) <= len(theirs)
+    assert ours_tokens / (len(ours) * 2048) >= 0.999
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_many_chunk_tables_and_non_numeric_columns(strategy: str) -> None:
+    first = pa.table(
+        {
+            "input_ids": pa.array([[0, 1, 2], [3]], pa.list_(pa.int32())),
+            "words": pa.array([["a", "b", "c"], ["d"]]),
+            "mask": pa.array([[True, False, True], [None]], pa.list_(pa.bool_())),
+        }
+    )
+    second = pa.table(
+        {
+            "input_ids": pa.array([[4, 5, 6, 7, 8], [], [9, 10]], pa.list_(pa.int32())),
+            "words": pa.array([["e", "f", "g", "h", "i"], [], ["j", "k"]]),
+            "mask": pa.array([[False] * 5, [], [True, True]], pa.list_(pa.bool_())),
+        }
+    )
+    table = pa.concat_tables([first, second])
+    assert table.column("input_ids").num_chunks == 2
+    packed = pack_dataset(Dataset(table), 4, strategy)
+    letters = "abcdefghijk"
+    for row in packed:
+        assert row["words"] == [letters[token] for token in row["input_ids"]]
+    masks = {0: True, 1: False, 2: True, 3: None, 9: True, 10: True}
+    flat = [(token, mask) for row in packed for token, mask in zip(row["input_ids"], row["mask"])]
+    assert all(mask == masks.get(token, False) for token, mask in flat)
+    expected = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    if strategy == "bfd":
+        expected.remove(8)
+    assert sorted(token for token, _ in flat) == expected
