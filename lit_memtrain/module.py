@@ -296,8 +296,9 @@ class CausalLMModule(LightningModule):
         self.log("val/loss", nll, prog_bar=True)
         self.log("val/ppl", torch.exp(nll))
         self.log("val/token_accuracy", self.val_token_accuracy.compute())
-        self.val_token_nll.reset()
-        self.val_token_accuracy.reset()
+        with torch.inference_mode(False):  # states made under inference mode could not be updated under no_grad
+            self.val_token_nll.reset()
+            self.val_token_accuracy.reset()
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams

@@ -1,4 +1,5 @@
 import importlib.util
+import math
 
 import pytest
 import torch
@@ -118,3 +119,19 @@ def test_needs_exactly_one_model_source():
         CausalLMModule(model="x", preset="tiny-qwen3")
     with pytest.raises(ValueError, match="Unknown model preset 'nope'"):
         CausalLMModule(preset="nope")
+
+
+def test_validation_metrics_survive_inference_mode_then_no_grad(tmp_path):
+    from lightning.pytorch import Trainer
+
+    from lit_memtrain.datamodules.sft import SFTDataModule
+
+    module = _module(tokenizer="lit-memtrain/embedded")
+    data = SFTDataModule(max_length=48, batch_size=8, val_size=16)
+    results = []
+    for inference_mode in (True, False):
+        trainer = Trainer(logger=False, enable_progress_bar=False, inference_mode=inference_mode, default_root_dir=tmp_path)
+        results.append(trainer.validate(module, datamodule=data, verbose=False)[0])
+    assert results[0]["val/loss"] == pytest.approx(results[1]["val/loss"], rel=1e-6)
+    assert results[0]["val/ppl"] == pytest.approx(math.exp(results[0]["val/loss"]), rel=1e-5)
+    assert 0.0 <= results[0]["val/token_accuracy"] <= 1.0
