@@ -1,6 +1,16 @@
 """Data: tokenization and loss masks, collation, packing and the length profiler."""
 
 from lit_memtrain.datamodules.collate import PaddedCollator
+from lit_memtrain.datamodules.length_profile import LengthProfile, profile_lengths, recommend_max_length, write_histogram
+from lit_memtrain.datamodules.padding_free import PaddingFreeCollator
 from lit_memtrain.datamodules.sft import SFTDataModule
 
-__all__ = ["PaddedCollator", "SFTDataModule"]
+__all__ = [
+    "LengthProfile",
+    "PaddedCollator",
+    "PaddingFreeCollator",
+    "SFTDataModule",
+    "profile_lengths",
+    "recommend_max_length",
+    "write_histogram",
+]

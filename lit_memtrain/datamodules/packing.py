@@ -41,11 +41,14 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from datasets import Dataset, DatasetInfo, Features
+
+if TYPE_CHECKING:  # datasets is imported only when a dataset is packed (plan_packing needs numpy alone)
+    from datasets import Dataset
 
 STRATEGIES: tuple[str, ...] = ("bfd", "bfd_split", "wrapped")
 
@@ -146,6 +149,8 @@ def pack_dataset(dataset: Dataset, max_length: int, strategy: str = "bfd") -> Da
             pa.array(plan.row_offsets, pa.int32()), pa.array(plan.segment_lengths, pa.int32())
         )
     packed_table = pa.table(output)
+    from datasets import Dataset, DatasetInfo, Features
+
     features = Features.from_arrow_schema(packed_table.schema)
     features.update({name: dataset.features[name] for name in packed_names})
     fingerprint = hashlib.sha256(
