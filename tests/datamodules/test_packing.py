@@ -6,7 +6,6 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-import trl
 from datasets import Dataset
 
 from lit_memtrain.datamodules.packing import STRATEGIES, pack_dataset, plan_packing
@@ -223,6 +222,7 @@ def test_errors_are_clear() -> None:
 
 
 def test_same_rows_as_trl_on_its_documented_example() -> None:
+    trl = pytest.importorskip("trl")
     examples = {
         "input_ids": [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10], [11]],
         "attention_mask": [[1, 1, 1, 0, 0], [1, 0], [1, 1, 0], [1]],
@@ -234,6 +234,7 @@ def test_same_rows_as_trl_on_its_documented_example() -> None:
 
 @pytest.mark.parametrize("strategy", ["bfd", "bfd_split"])
 def test_at_least_as_full_as_trl(strategy: str) -> None:
+    trl = pytest.importorskip("trl")
     lengths = lognormal_lengths(6000, seed=1)
     offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
     column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.arange(offsets[-1], dtype=np.int32)))
