@@ -116,6 +116,9 @@ class CausalLMModule(LightningModule):
         if warmup < 0 or not 0 <= min_lr_ratio <= 1:
             raise ValueError(f"warmup must be >= 0 and min_lr_ratio in [0, 1]; got {warmup} and {min_lr_ratio}.")
         _check_attn_implementation(attn_implementation)
+        if isinstance(lora, dict):  # hyper-parameters saved by LightningCLI or a checkpoint hold plain dicts
+            lora = LoraSettings(**lora)
+        self.lora = lora
         if lora is not None and lora.quantize and not model:
             raise ValueError("QLoRA (lora.quantize) quantizes a checkpoint while loading it: give model=<hub id or path>.")
         self.save_hyperparameters()
@@ -141,9 +144,9 @@ class CausalLMModule(LightningModule):
         dtype = "auto" if hp.dtype == "auto" else _DTYPES[hp.dtype]
         common = {"attn_implementation": hp.attn_implementation, "trust_remote_code": hp.trust_remote_code}
         if hp.model:
-            if hp.lora is not None and hp.lora.quantize:
+            if self.lora is not None and self.lora.quantize:
                 compute_dtype = torch.bfloat16 if dtype in ("auto", torch.float32) else dtype
-                init_kwargs["quantization_config"] = quantization_config(hp.lora, compute_dtype)
+                init_kwargs["quantization_config"] = quantization_config(self.lora, compute_dtype)
             return AutoModelForCausalLM.from_pretrained(hp.model, dtype=dtype, **common, **init_kwargs)
         overrides = dict(hp.config_overrides or {})
         if self.tokenizer is not None:
@@ -343,7 +346,7 @@ class CausalLMModule(LightningModule):
         """Write a Hugging Face directory (model with any adapter merged, and tokenizer) that ``from_pretrained`` loads."""
         directory = Path(directory)
         base = None
-        if self.hparams.lora is not None and self.hparams.lora.quantize:
+        if self.lora is not None and self.lora.quantize:
             base = AutoModelForCausalLM.from_pretrained(self.hparams.model, dtype=torch.bfloat16)
         merged_copy(self.model, base).save_pretrained(directory)
         if self.tokenizer is not None:
