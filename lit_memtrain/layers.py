@@ -8,6 +8,8 @@ PEFT), so they search for the layer stack rather than assume an attribute path.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from torch import nn
 
@@ -57,3 +59,25 @@ def find_decoder_layers(model: nn.Module, path: str | None = None) -> nn.ModuleL
             "Pass the one to use explicitly (layers_path=...)."
         )
     return candidates[0][1]
+
+
+def wrap_forwards(
+    modules: Sequence[nn.Module], wrap: Callable[[nn.Module, Callable[..., Any]], Callable[..., Any]]
+) -> Callable[[], None]:
+    """Set each module's ``forward`` (on the instance) to ``wrap(module, module.forward)``.
+
+    Patching the instance, not the class, leaves other models untouched and keeps module hooks outside the
+    wrapper. Returns a function that puts the original ``forward`` back.
+    """
+    previous = [vars(module).get("forward") for module in modules]
+    for module in modules:
+        module.forward = wrap(module, module.forward)
+
+    def restore() -> None:
+        for module, forward in zip(modules, previous):
+            if forward is None:
+                del module.forward
+            else:
+                module.forward = forward
+
+    return restore

@@ -47,6 +47,17 @@ def _check_attn_implementation(name: str) -> None:
         )
 
 
+def _fused_adamw_supported(params: list[Tensor]) -> bool:
+    """The fused AdamW kernel (one kernel for all parameters, ~3x faster than the per-tensor loop) runs on
+    plain tensors of these device types; sharded DTensor parameters keep the default implementation."""
+    from torch.distributed.tensor import DTensor
+
+    return bool(params) and all(
+        p.device.type in ("cpu", "cuda", "xpu", "mps") and p.is_floating_point() and not isinstance(p, DTensor)
+        for p in params
+    )
+
+
 class CausalLMModule(LightningModule):
     """Fine-tune a causal LM from the hub, a local directory, or random weights from a preset/config.
 
@@ -312,6 +323,7 @@ class CausalLMModule(LightningModule):
             [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=hp.learning_rate,
             betas=tuple(hp.betas),
+            fused=_fused_adamw_supported([p for _, p in trainable]),
         )
         total = max(1, int(self.trainer.estimated_stepping_batches))
         warmup = int(hp.warmup * total) if hp.warmup < 1 else int(hp.warmup)

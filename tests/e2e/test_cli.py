@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import wandb
 from transformers import AutoModelForCausalLM
 
 from lit_memtrain.cli import MemTrainCLI, main
@@ -34,7 +35,8 @@ def test_twenty_step_fit_through_the_cli(tmp_path, capsys):
     first, last = map(float, re.search(r"train loss: first ([\d.]+) -> last ([\d.]+) over 20 steps", out).groups())
     assert last < first - 0.5
     assert AutoModelForCausalLM.from_pretrained(export).config.num_hidden_layers == 2
-    assert (tmp_path / "logs").is_dir()
+    wandb.finish()
+    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
 
 
 def test_quickstart_config_parses_and_links_the_tokenizer():
@@ -74,3 +76,22 @@ def test_lengths_profiles_the_fit_data_and_writes_a_histogram(tmp_path, capsys):
     out = capsys.readouterr().out
     assert re.search(r"\* 32\s+0\.00%\s+0\.00%", out), out
     assert "16      " in out and histogram.stat().st_size > 0
+
+
+OFFLINE_MODEL = ["--model.model=null", "--model.preset=tiny-qwen3", "--data.tokenizer=lit-memtrain/embedded"]
+
+
+@pytest.mark.parametrize("name", ["long_context", "lora"])
+def test_shipped_configs_parse_with_an_offline_model(name):
+    config = str(ROOT / "configs" / f"{name}.yaml")
+    args = ["--config", config, *OFFLINE_MODEL, "--model.attn_implementation=sdpa", "--trainer.accelerator=cpu"]
+    cli = MemTrainCLI(CausalLMModule, SFTDataModule, args=args, run=False)
+    names = [type(c).__name__ for c in cli.trainer.callbacks]
+    assert "GradientCheckpointing" in names and "MemoryMonitor" in names
+    assert cli.datamodule.packing
+    if name == "long_context":
+        assert cli.model.model.config.rope_parameters["rope_type"] == "yarn"
+        assert "TiledMLP" in names
+    else:
+        assert cli.model.lora.r == 16 and cli.model.lora.dropout == 0.05
+        assert all(p.requires_grad == ("lora_" in n) for n, p in cli.model.model.named_parameters())

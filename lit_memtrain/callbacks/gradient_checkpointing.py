@@ -1,0 +1,82 @@
+"""Lightning callback checkpointing every decoder layer: full, selective or with offloaded inputs.
+
+Why a callback: checkpointing is a property of the training run, not of the model, and must work on a
+user's own LightningModule holding a Hugging Face causal LM as well as on ours. The layers are found when
+the fit starts, after ``configure_model`` (where sharded or LoRA models are often built) and after the
+strategy has placed the model; the original forwards and ``config.use_cache`` are restored when the fit
+ends, so exporting or generating afterwards sees the plain model.
+
+What each mode keeps, and the transforms themselves: :mod:`lit_memtrain.checkpointing`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from transformers import PretrainedConfig
+
+from lit_memtrain.checkpointing import apply_checkpointing
+from lit_memtrain.layers import find_decoder_layers
+
+__all__ = ["GradientCheckpointing"]
+
+
+class GradientCheckpointing(Callback):
+    """Non-reentrant activation checkpointing of each decoder layer during ``fit``.
+
+    Args:
+        selective: also keep the attention kernels' outputs, so backward does not recompute attention
+            (one extra ``L x heads x head_dim`` tensor plus an fp32 log-sum-exp per layer).
+        offload: keep each layer's checkpointed input in host memory (pinned on CUDA) until its backward.
+        layers_path: dotted path to the decoder layer list from the LightningModule when it cannot be
+            found automatically (for example ``"model.model.layers"``).
+
+    Example:
+        >>> from lit_memtrain.callbacks.gradient_checkpointing import GradientCheckpointing
+        >>> trainer = Trainer(callbacks=[GradientCheckpointing(selective=True)])  # doctest: +SKIP
+    """
+
+    def __init__(self, selective: bool = False, offload: bool = False, layers_path: str | None = None) -> None:
+        for name, value in (("selective", selective), ("offload", offload)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be True or False, got {value!r}.")
+        if layers_path is not None and (not isinstance(layers_path, str) or not layers_path):
+            raise ValueError(
+                f"layers_path must be a dotted attribute path such as 'model.model.layers', got {layers_path!r}."
+            )
+        self.selective = selective
+        self.offload = offload
+        self.layers_path = layers_path
+        self._restore: Callable[[], None] | None = None
+        self._caching_configs: list[PretrainedConfig] = []
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        try:
+            layers = find_decoder_layers(pl_module, self.layers_path)
+        except ValueError as error:
+            raise ValueError(f"GradientCheckpointing has no layers to checkpoint: {error}") from error
+        self._restore = apply_checkpointing(layers, selective=self.selective, offload=self.offload)
+        # A KV cache built in a training forward is updated again when a layer is recomputed.
+        configs = {
+            id(module.config): module.config
+            for module in pl_module.modules()
+            if isinstance(getattr(module, "config", None), PretrainedConfig)
+        }
+        self._caching_configs = [config for config in configs.values() if getattr(config, "use_cache", False)]
+        for config in self._caching_configs:
+            config.use_cache = False
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._undo()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._undo()
+
+    def _undo(self) -> None:
+        if self._restore is not None:
+            self._restore()
+            self._restore = None
+        for config in self._caching_configs:
+            config.use_cache = True
+        self._caching_configs = []

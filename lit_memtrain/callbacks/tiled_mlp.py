@@ -1,0 +1,63 @@
+"""Lightning callback running each decoder layer's MLP over the sequence in tiles.
+
+Why a callback: like checkpointing, tiling is a property of the run, and must work on a user's own
+LightningModule holding a Hugging Face causal LM. The MLPs are found when the fit starts (after
+``configure_model``) and restored when it ends. Composes with :class:`GradientCheckpointing` and the
+chunked loss in any order.
+
+Why and how tiles save memory, and the tile count rule: :mod:`lit_memtrain.tiled_mlp`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from lit_memtrain.layers import find_decoder_layers
+from lit_memtrain.tiled_mlp import apply_tiled_mlp, validate_num_tiles
+
+__all__ = ["TiledMLP"]
+
+
+class TiledMLP(Callback):
+    """Sequence-tiled MLPs in every decoder layer during ``fit`` (ALST's tiled MLP).
+
+    Args:
+        num_tiles: tiles per MLP call; ``None`` picks ``ceil(L / max(H, 1024))`` from each call's sequence
+            length L and hidden size H (tiles of about H tokens).
+        layers_path: dotted path to the decoder layer list from the LightningModule when it cannot be
+            found automatically (for example ``"model.model.layers"``).
+
+    Example:
+        >>> from lit_memtrain.callbacks.tiled_mlp import TiledMLP
+        >>> trainer = Trainer(callbacks=[GradientCheckpointing(), TiledMLP()])  # doctest: +SKIP
+    """
+
+    def __init__(self, num_tiles: int | None = None, layers_path: str | None = None) -> None:
+        validate_num_tiles(num_tiles)
+        if layers_path is not None and (not isinstance(layers_path, str) or not layers_path):
+            raise ValueError(
+                f"layers_path must be a dotted attribute path such as 'model.model.layers', got {layers_path!r}."
+            )
+        self.num_tiles = num_tiles
+        self.layers_path = layers_path
+        self._restore: Callable[[], None] | None = None
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        try:
+            layers = find_decoder_layers(pl_module, self.layers_path)
+        except ValueError as error:
+            raise ValueError(f"TiledMLP has no decoder layers to tile: {error}") from error
+        self._restore = apply_tiled_mlp(layers, self.num_tiles)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._undo()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._undo()
+
+    def _undo(self) -> None:
+        if self._restore is not None:
+            self._restore()
+            self._restore = None

@@ -1,0 +1,319 @@
+"""Peak memory of one training step, simulated on the CPU without allocating it.
+
+Why: the memory techniques are chosen by how much they save at sequence lengths that do not fit on the
+machine at hand (Qwen3-4B at 256k tokens needs hundreds of GB without them). ``FakeTensorMode`` runs the
+real model code on tensors that have shapes, dtypes and devices but no storage, and ``MemTracker`` records
+the bytes alive on each device, by kind, at every operation. What runs is the real code path: the
+Hugging Face model, the techniques applied by the same functions the callbacks use
+(:func:`~lit_memtrain.checkpointing.apply_checkpointing`, :func:`~lit_memtrain.tiled_mlp.apply_tiled_mlp`),
+the losses of :mod:`lit_memtrain.loss`, autograd and AdamW.
+
+How, and what it assumes:
+- The device is a stand-in accelerator ``gpu`` (PyTorch's Python-backed PrivateUse1 backend), so that
+  host memory (``cpu``, where offloaded checkpoints go) is tracked apart from device memory. Fake CUDA
+  tensors cannot run autograd on a CPU-only build. Registering it makes torch report an accelerator for the
+  rest of the process, and it must precede the process's first backward: simulate in a process of its own.
+- Attention runs through ``aten._scaled_dot_product_flash_attention_for_cpu``, a flash-style kernel whose
+  memory is O(L) (output and an fp32 log-sum-exp per head and token), as flash-attn or SDPA's flash kernel
+  on a GPU. On the stand-in device SDPA would take its math path and build L x L attention weights:
+  1,540 GiB at 64k tokens where a real step needs a few.
+- Every target is trainable (the worst case): data-dependent selections such as ``nonzero`` select every
+  element, since fake tensors have no values.
+- Params, gradients and AdamW state are all in ``dtype`` (bf16 by default, as Lightning's
+  ``precision="bf16-true"``); the optimizer state exists before the step, as in every step after the
+  first. AdamW runs with ``foreach=True`` (PyTorch's default on CUDA).
+- Allocations only, at their exact sizes: no kernel workspaces, no allocator rounding or fragmentation.
+  Confirm on a GPU when one is available.
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+from torch._guards import active_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.modeling_utils import AttentionInterface
+
+from lit_memtrain.checkpointing import apply_checkpointing
+from lit_memtrain.layers import find_decoder_layers
+from lit_memtrain.loss import chunked_cross_entropy, cross_entropy
+from lit_memtrain.presets import build_config
+from lit_memtrain.tiled_mlp import apply_tiled_mlp
+
+__all__ = ["MemoryReport", "fake_causal_lm", "measure_peak", "simulate_step", "stand_in_device"]
+
+STAND_IN_DEVICE = "gpu"
+SIMULATED_ATTENTION = "lit_memtrain_simulated"
+Checkpointing = Literal["full", "selective", "offload"]
+_CHECKPOINTING_MODES = ("full", "selective", "offload")
+_LOSSES = ("plain", "chunked")
+_KIND_NAMES = {
+    "Parameter": "parameters",
+    "Buffer": "buffers",
+    "Gradient": "gradients",
+    "Activation": "activations",
+    "Temp": "temporaries",
+    "Optstate": "optimizer_state",
+    "Other": "other",
+}
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Simulated memory of a step, in bytes.
+
+    Attributes:
+        device_peak: the most bytes alive on the accelerator at any moment.
+        host_peak: the same for host memory (offloaded checkpoints).
+        device_at_peak: the device bytes alive at that moment, by kind (``parameters``, ``gradients``,
+            ``optimizer_state``, ``activations``, ``temporaries``, ``buffers``, ``other`` = inputs).
+            Activations and temporaries may be misattributed to each other during recomputation; the
+            total is exact.
+        fixed: the tracked modules' parameters, one gradient per trainable parameter, and the tracked
+            optimizers' state, on the device: what a training step holds whatever the sequence length.
+    """
+
+    device_peak: int
+    host_peak: int
+    device_at_peak: dict[str, int]
+    fixed: int
+
+    @property
+    def device_peak_gib(self) -> float:
+        return self.device_peak / 2**30
+
+    @property
+    def host_peak_gib(self) -> float:
+        return self.host_peak / 2**30
+
+
+class _StandInDeviceModule(torch.utils.backend_registration._DummyBackendModule):
+    """``torch.gpu``: what autocast and checkpointing ask of a device module."""
+
+    def get_amp_supported_dtype(self) -> list[torch.dtype]:
+        return [torch.float16, torch.bfloat16]
+
+
+@functools.cache
+def stand_in_device() -> torch.device:
+    """Register the stand-in accelerator ``gpu`` once per process and return ``gpu:0``.
+
+    From then on torch reports an accelerator named ``gpu`` in this process, and autograd can only run on
+    it if it was registered before the process's first backward: simulate in a process of its own.
+
+    Raises:
+        RuntimeError: the PrivateUse1 backend is already taken by another name, or autograd already ran in
+            this process before the registration.
+    """
+    name = torch._C._get_privateuse1_backend_name()
+    if name == "privateuseone":
+        torch.utils.backend_registration._setup_privateuseone_for_python_backend(
+            STAND_IN_DEVICE, backend_module=_StandInDeviceModule()
+        )
+    elif name != STAND_IN_DEVICE:
+        raise RuntimeError(
+            f"Cannot simulate memory: the PrivateUse1 device is already registered as {name!r} in this process, "
+            f"and the simulation needs it as its stand-in device {STAND_IN_DEVICE!r}. Run it in another process."
+        )
+    device = torch.device(STAND_IN_DEVICE, 0)
+    # The device's autograd thread drops each backward's graph just after waking the caller, and the graph
+    # holds Python objects (dispatch modes, callbacks): if the interpreter is already shutting down, taking
+    # the GIL for that aborts the process. A pause at exit lets the thread finish first.
+    atexit.register(time.sleep, 0.2)
+    try:
+        with FakeTensorMode():
+            torch.empty(1, device=device, requires_grad=True).sum().backward()
+    except RuntimeError as error:
+        raise RuntimeError(
+            "Cannot simulate memory in this process: autograd ran here before the simulation's stand-in device "
+            "was registered, and autograd sizes its device queues once. Simulate in a fresh process (or call "
+            "lit_memtrain.planner.simulate.stand_in_device() before any backward)."
+        ) from error
+    return device
+
+
+def _flash_attention(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """Causal attention through the O(L) CPU flash kernel; GQA heads are handled by the kernel."""
+    if attention_mask is not None:
+        raise ValueError("The simulated attention supports causal attention without an attention mask only.")
+    output = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout, True, scale=scaling)
+    return output[0].transpose(1, 2), None
+
+
+class _EverythingSelected(TorchDispatchMode):
+    """Fake tensors have no values: a data-dependent selection (``nonzero``) selects every element."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops.aten.nonzero.default:
+            (mask,) = args
+            return torch.empty((mask.numel(), mask.dim()), dtype=torch.long, device=mask.device)
+        return func(*args, **(kwargs or {}))
+
+
+class _DevicePeakTracker(MemTracker):
+    """``MemTracker`` keeping only the per-device peaks.
+
+    Its per-module peaks cost a pass over every module at every operation: minutes for a 36-layer model
+    with a tiled MLP. Nothing here uses them.
+    """
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        for device, snapshot in self._curr_mem_snap.items():
+            if self._peak_mem.get(device, 0) < snapshot["Total"]:
+                self._peak_mem[device] = snapshot["Total"]
+                self._peak_mem_snap[device] = dict(snapshot)
+
+
+def fake_causal_lm(config: PretrainedConfig | str, dtype: torch.dtype = torch.bfloat16) -> PreTrainedModel:
+    """A causal LM on the stand-in device with fake (storage-less) weights, in training mode.
+
+    Call inside ``FakeTensorMode(allow_non_fake_inputs=True)``. Attention uses the simulated O(L) kernel.
+    """
+    if not isinstance(active_fake_mode(), FakeTensorMode):
+        raise RuntimeError("fake_causal_lm must be called inside FakeTensorMode(allow_non_fake_inputs=True).")
+    config = build_config(config) if isinstance(config, str) else copy.deepcopy(config)
+    AttentionInterface.register(SIMULATED_ATTENTION, _flash_attention)
+    with unset_fake_temporarily(), torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=SIMULATED_ATTENTION)
+    model.to_empty(device=stand_in_device())
+    return model.train()
+
+
+def _fixed_bytes(tracked: tuple[object, ...]) -> int:
+    device = stand_in_device()
+    tensors: list[tuple[Tensor, int]] = []
+    for obj in tracked:
+        if isinstance(obj, torch.nn.Module):
+            tensors += [(param, 2 if param.requires_grad else 1) for param in obj.parameters()]
+        elif isinstance(obj, torch.optim.Optimizer):
+            states = obj.state.values()
+            tensors += [(value, 1) for state in states for value in state.values() if isinstance(value, Tensor)]
+    return sum(tensor.nbytes * copies for tensor, copies in tensors if tensor.device == device)
+
+
+def measure_peak(
+    fn: Callable[[], object], *tracked: torch.nn.Module | torch.optim.Optimizer | Tensor
+) -> MemoryReport:
+    """Run ``fn`` on fake tensors and return the peak memory it reaches.
+
+    ``tracked`` are what exists before ``fn`` runs and counts towards its memory: modules (parameters),
+    optimizers (state), tensors (inputs). Data-dependent selections (``nonzero``) select every element.
+    """
+    tracker = _DevicePeakTracker()
+    tracker.track_external(*tracked)
+    with tracker, _EverythingSelected():
+        fn()
+    peaks = tracker.get_tracker_snapshot("peak")
+    device_snapshot = peaks.get(stand_in_device(), {})
+    return MemoryReport(
+        device_peak=device_snapshot.get("Total", 0),
+        host_peak=peaks.get(torch.device("cpu"), {}).get("Total", 0),
+        device_at_peak={_KIND_NAMES[kind.value]: size for kind, size in device_snapshot.items() if kind != "Total"},
+        fixed=_fixed_bytes(tracked),
+    )
+
+
+def _step_loss(model: PreTrainedModel, input_ids: Tensor, position_ids: Tensor, targets: Tensor, loss: str) -> Tensor:
+    """The loss as a ``training_step`` returns it: its intermediates (logits) are gone before backward."""
+    if loss == "plain":
+        logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+        return cross_entropy(logits.flatten(0, 1), targets.flatten())
+    hidden = model.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+    return chunked_cross_entropy(hidden.flatten(0, 1), model.get_output_embeddings().weight, targets.flatten())
+
+
+def _train_step(
+    model: PreTrainedModel,
+    optimizer: torch.optim.Optimizer | None,
+    input_ids: Tensor,
+    position_ids: Tensor,
+    targets: Tensor,
+    loss: str,
+) -> None:
+    _step_loss(model, input_ids, position_ids, targets, loss).backward()
+    if optimizer is not None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def _initialise_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def simulate_step(
+    config: PretrainedConfig | str,
+    seq_len: int,
+    *,
+    batch_size: int = 1,
+    dtype: torch.dtype = torch.bfloat16,
+    loss: Literal["plain", "chunked"] = "plain",
+    checkpointing: Checkpointing | None = None,
+    tiled_mlp: bool = False,
+    mlp_tiles: int | None = None,
+    optimizer: bool = True,
+) -> MemoryReport:
+    """Simulate forward, loss, backward and an AdamW step of a causal LM and return its peak memory.
+
+    Args:
+        config: a ``transformers`` config or a preset name (see :mod:`lit_memtrain.presets`).
+        seq_len: tokens per row.
+        batch_size: rows per step.
+        dtype: dtype of parameters, activations, gradients and optimizer state.
+        loss: ``"plain"`` (logits, then cross-entropy in fp32) or ``"chunked"`` (no full logits).
+        checkpointing: ``None``, ``"full"``, ``"selective"`` (keep attention outputs) or ``"offload"``
+            (full, with each layer's input in host memory).
+        tiled_mlp: run each decoder layer's MLP over the sequence in tiles.
+        mlp_tiles: tiles per MLP call; ``None`` uses :func:`lit_memtrain.tiled_mlp.mlp_tiles`.
+        optimizer: include AdamW state and its step.
+
+    Example:
+        >>> report = simulate_step("qwen3-4b", 65536, loss="chunked", checkpointing="full")  # doctest: +SKIP
+        >>> round(report.device_peak_gib, 1)  # doctest: +SKIP
+    """
+    if loss not in _LOSSES:
+        raise ValueError(f"loss must be one of {_LOSSES}, got {loss!r}.")
+    if checkpointing is not None and checkpointing not in _CHECKPOINTING_MODES:
+        raise ValueError(f"checkpointing must be None or one of {_CHECKPOINTING_MODES}, got {checkpointing!r}.")
+    if seq_len < 1 or batch_size < 1:
+        raise ValueError(f"seq_len and batch_size must be positive, got seq_len={seq_len}, batch_size={batch_size}.")
+    if mlp_tiles is not None and not tiled_mlp:
+        raise ValueError(f"mlp_tiles={mlp_tiles} has no effect without tiled_mlp=True.")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = fake_causal_lm(config, dtype)
+        layers = find_decoder_layers(model)
+        if checkpointing is not None:
+            apply_checkpointing(layers, selective=checkpointing == "selective", offload=checkpointing == "offload")
+        if tiled_mlp:
+            apply_tiled_mlp(layers, mlp_tiles)
+        adamw = torch.optim.AdamW(model.parameters(), foreach=True) if optimizer else None
+        if adamw is not None:
+            _initialise_optimizer_state(model, adamw)
+        device = stand_in_device()
+        input_ids = torch.zeros((batch_size, seq_len), dtype=torch.long, device=device)
+        position_ids = torch.arange(seq_len, device=device).expand(batch_size, seq_len)
+        targets = torch.zeros((batch_size, seq_len), dtype=torch.long, device=device)
+        tracked = (model, input_ids, position_ids, targets) + ((adamw,) if adamw is not None else ())
+        return measure_peak(lambda: _train_step(model, adamw, input_ids, position_ids, targets, loss), *tracked)
