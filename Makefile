@@ -23,7 +23,7 @@ install: $(STAMP)
 
 quickstart: $(STAMP)
 	$(VENV)/bin/lit-memtrain fit --config configs/quickstart.yaml
-	$(VENV)/bin/lit-memtrain generate --model outputs/quickstart/export --prompt "What is 17 + 25?"
+	$(VENV)/bin/lit-memtrain generate --model outputs/quickstart/export --prompt "What is 17 + 25?" --prompt "Reverse the word abc."
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
