@@ -135,3 +135,18 @@ def test_validation_metrics_survive_inference_mode_then_no_grad(tmp_path):
     assert results[0]["val/loss"] == pytest.approx(results[1]["val/loss"], rel=1e-6)
     assert results[0]["val/ppl"] == pytest.approx(math.exp(results[0]["val/loss"]), rel=1e-5)
     assert 0.0 <= results[0]["val/token_accuracy"] <= 1.0
+
+
+def test_progress_bar_shows_loss_tokens_per_second_and_peak_memory(tmp_path):
+    from lightning.pytorch import Trainer
+
+    from lit_memtrain.callbacks import MemoryMonitor
+    from lit_memtrain.datamodules.sft import SFTDataModule
+
+    module = _module(tokenizer="lit-memtrain/embedded")
+    trainer = Trainer(max_steps=2, logger=False, enable_progress_bar=True, callbacks=[MemoryMonitor()], default_root_dir=tmp_path)
+    trainer.fit(module, datamodule=SFTDataModule(max_length=48, batch_size=4))
+    shown = trainer.progress_bar_metrics
+    assert shown["train/loss"] == pytest.approx(module.last_train_loss, rel=1e-6)
+    assert shown["train/tokens_per_sec"] > 0
+    assert shown["memory/rss_gib"] > 0.1  # this process holds torch and a model

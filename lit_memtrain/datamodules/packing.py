@@ -40,6 +40,8 @@ Usage::
 from __future__ import annotations
 
 import hashlib
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -312,27 +314,56 @@ def _plan_wrapped(lengths: np.ndarray, max_length: int) -> PackingPlan:
     )
 
 
-def _gather_rows(column: pa.ChunkedArray, plan: PackingPlan) -> pa.Array:
+def _gather_rows(column: pa.ChunkedArray, plan: PackingPlan) -> pa.ChunkedArray:
     """Copy one list column's planned segments, in plan order, into the packed rows.
 
     The segments are described as a list-view array (an offset and a size per segment into the
-    column's values buffer, in any order) and flattened, so Arrow copies them in one C++ loop.
-    Offsets are read from the array itself, so a sliced or selected dataset packs its own rows
-    only; a column of several chunks is combined first.
+    column's values buffer, in any order) and flattened, so Arrow copies them in C++. The copy is
+    bound by memory bandwidth, so the rows are split into one contiguous block per CPU core, each
+    flattened in its own thread (Arrow releases the GIL) into its own chunk of the output: nothing
+    is copied twice. Offsets are read from the array itself, so a sliced or selected dataset packs
+    its own rows only; a column of several chunks is combined first.
     """
     large = pa.types.is_large_list(column.type)
     offset_type = pa.int64() if large else pa.int32()
     token_offsets = np.concatenate(([0], np.cumsum(plan.segment_lengths)))[plan.row_offsets]
     array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
     example_offsets = array.offsets.to_numpy()
-    segments = (pa.LargeListViewArray if large else pa.ListViewArray).from_arrays(
-        pa.array(example_offsets[plan.example] + plan.start, offset_type),
-        pa.array(plan.segment_lengths, offset_type),
-        array.values,
-    )
-    return (pa.LargeListArray if large else pa.ListArray).from_arrays(
-        pa.array(token_offsets, offset_type), segments.flatten()
-    )
+    segment_starts = example_offsets[plan.example] + plan.start
+    view_type = pa.LargeListViewArray if large else pa.ListViewArray
+    list_type = pa.LargeListArray if large else pa.ListArray
+
+    def copy_rows(first: int, last: int) -> pa.Array:
+        segments = slice(plan.row_offsets[first], plan.row_offsets[last])
+        views = view_type.from_arrays(
+            pa.array(segment_starts[segments], offset_type),
+            pa.array(plan.segment_lengths[segments], offset_type),
+            array.values,
+        )
+        offsets = token_offsets[first : last + 1] - token_offsets[first]
+        return list_type.from_arrays(pa.array(offsets, offset_type), views.flatten())
+
+    blocks = _row_blocks(token_offsets, _copy_workers(int(token_offsets[-1])))
+    if len(blocks) == 1:
+        return pa.chunked_array([copy_rows(*blocks[0])], column.type)
+    with ThreadPoolExecutor(len(blocks)) as pool:
+        return pa.chunked_array(list(pool.map(lambda block: copy_rows(*block), blocks)), column.type)
+
+
+_TOKENS_PER_COPY_WORKER = 4_000_000
+
+
+def _copy_workers(num_tokens: int) -> int:
+    """Threads for the copy: one per core, but none for small copies where threads cost more than they save."""
+    return max(1, min(os.cpu_count() or 1, 8, num_tokens // _TOKENS_PER_COPY_WORKER))
+
+
+def _row_blocks(token_offsets: np.ndarray, workers: int) -> list[tuple[int, int]]:
+    """Split rows ``0..R`` into at most ``workers`` contiguous blocks of about equal token counts."""
+    num_rows = len(token_offsets) - 1
+    targets = np.linspace(0, token_offsets[-1], workers + 1)[1:-1]
+    cuts = np.unique(np.concatenate(([0], np.searchsorted(token_offsets, targets), [num_rows])))
+    return [(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:]) if b > a] or [(0, num_rows)]
 
 
 def _list_lengths(column: pa.ChunkedArray) -> np.ndarray:
