@@ -77,3 +77,36 @@ def test_lora_settings_are_validated():
 def test_qlora_without_cuda_is_a_clear_error(base_dir):
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         CausalLMModule(model=base_dir, lora=LoraSettings(quantize="4bit"))
+
+
+def test_lora_with_every_memory_technique_matches_plain_lora(base_dir):
+    from lit_memtrain.checkpointing import apply_checkpointing
+    from lit_memtrain.layers import find_decoder_layers
+    from lit_memtrain.offload import ActivationOffloader
+    from lit_memtrain.tiled_mlp import apply_tiled_mlp
+
+    lora = LoraSettings(r=4, alpha=8, lm_head=True)
+    modules = []
+    for loss_type in ("nll", "chunked"):
+        torch.manual_seed(0)
+        module = CausalLMModule(model=base_dir, lora=lora, loss_type=loss_type, loss_chunk_size=5)
+        for name, p in module.model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, generator=torch.Generator().manual_seed(len(name)), std=0.02)
+        modules.append(module)
+    plain, tuned = modules
+    layers = find_decoder_layers(tuned)
+    apply_checkpointing(layers, selective=True)
+    apply_tiled_mlp(layers, num_tiles=3)
+    batch = _batch(plain.model.config.vocab_size)
+    plain.compute_loss(batch).backward()
+    offloader = ActivationOffloader(tuned, offload_cpu_tensors_for_testing=True, min_offload_bytes=0, max_fwd_stash_size=0)
+    with offloader:
+        loss = tuned.compute_loss(batch)
+        loss.backward()
+    assert offloader.stats.tensors == len(layers)  # one checkpointed input per layer went to host memory
+    torch.testing.assert_close(loss, plain.compute_loss(batch), rtol=1e-5, atol=1e-6)
+    expected = dict(plain.model.named_parameters())
+    for name, p in tuned.model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, expected[name].grad, rtol=1e-4, atol=1e-6, msg=name)

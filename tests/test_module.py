@@ -150,3 +150,27 @@ def test_progress_bar_shows_loss_tokens_per_second_and_peak_memory(tmp_path):
     assert shown["train/loss"] == pytest.approx(module.last_train_loss, rel=1e-6)
     assert shown["train/tokens_per_sec"] > 0
     assert shown["memory/rss_gib"] > 0.1  # this process holds torch and a model
+
+
+def test_learning_rate_warms_up_then_decays_on_a_cosine_to_the_floor(tmp_path):
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import Callback
+
+    from lit_memtrain.datamodules.sft import SFTDataModule
+
+    class RecordLearningRate(Callback):
+        def __init__(self):
+            self.values = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.values.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+    record = RecordLearningRate()
+    module = _module(tokenizer="lit-memtrain/embedded", learning_rate=1e-3, warmup=4, min_lr_ratio=0.1)
+    trainer = Trainer(max_steps=20, logger=False, enable_progress_bar=False, callbacks=[record], default_root_dir=tmp_path)
+    trainer.fit(module, datamodule=SFTDataModule(max_length=32, batch_size=2))
+    lr = record.values
+    assert lr[:5] == pytest.approx([1e-3 * (s + 1) / 5 for s in range(4)] + [1e-3])
+    assert all(a >= b for a, b in zip(lr[4:], lr[5:]))
+    expected_last = 1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi * 15 / 16))
+    assert lr[-1] == pytest.approx(expected_last)
