@@ -19,9 +19,13 @@ that is still connected to the graph (zero gradients, no NaN, every rank still r
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from lit_memtrain.autocast import active_autocast_dtype
 
 IGNORE_INDEX = -100
 
@@ -205,7 +209,8 @@ def chunked_cross_entropy(
         raise ValueError(
             f"weight must have shape [V, {hidden.shape[1]}] to match hidden [N, H], got {tuple(weight.shape)}."
         )
-    if not hidden.is_floating_point() or weight.dtype != hidden.dtype:
+    autocasting = active_autocast_dtype(hidden.device.type) is not None
+    if not hidden.is_floating_point() or (weight.dtype != hidden.dtype and not autocasting):
         raise TypeError(
             f"hidden and weight must share one floating dtype, got hidden {hidden.dtype} and weight {weight.dtype}."
         )
@@ -220,7 +225,16 @@ def chunked_cross_entropy(
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}.")
     kept_rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)
-    loss_sum = _ChunkedCrossEntropySum.apply(
-        hidden, weight, bias, kept_rows, targets.index_select(0, kept_rows), chunk_size, softcap
-    )
+    device_type = hidden.device.type
+    compute_dtype = active_autocast_dtype(device_type)
+    if compute_dtype is not None:
+        # Autocast is off inside a custom backward: cast once here (differentiably) so forward and the
+        # recomputation in backward use the same logits dtype, as plain F.linear under autocast would.
+        hidden, weight = hidden.to(compute_dtype), weight.to(compute_dtype)
+        bias = bias.to(compute_dtype) if bias is not None else None
+    autocast_off = torch.autocast(device_type, enabled=False) if compute_dtype else contextlib.nullcontext()
+    with autocast_off:
+        loss_sum = _ChunkedCrossEntropySum.apply(
+            hidden, weight, bias, kept_rows, targets.index_select(0, kept_rows), chunk_size, softcap
+        )
     return _normalise(loss_sum, num_items, kept_rows.shape[0])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -20,6 +21,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torchmetrics import MeanMetric
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -79,6 +81,10 @@ class CausalLMModule(LightningModule):
         learning_rate, weight_decay, betas: AdamW settings; no decay on biases and norm weights.
         warmup: warmup steps (int) or fraction of the total steps (float < 1), then cosine decay
             to ``min_lr_ratio * learning_rate``.
+
+    Loss normalisation: each batch's loss is the mean over its trainable target tokens; under DDP it is
+    divided by the count across all ranks instead, so every token weighs the same. With gradient
+    accumulation each micro-batch is still normalised by its own count (a mean of micro-batch means).
         lora: train a LoRA adapter instead of all weights (:class:`~lit_memtrain.lora.LoraSettings`);
             with ``quantize`` the base is loaded in 4 or 8 bits (QLoRA, CUDA only). When the base comes from
             ``model``, checkpoints hold only the adapter.
@@ -137,6 +143,7 @@ class CausalLMModule(LightningModule):
 
         self.tokenizer = load_tokenizer(tokenizer) if tokenizer else None
         self.model: PreTrainedModel = self._build_model()
+        self._check_tokenizer_fits_model()
         if lora is not None:
             self.model = apply_lora(self.model, lora)
         self.model.train()  # from_pretrained returns eval mode, which Lightning would keep through fit
@@ -158,6 +165,8 @@ class CausalLMModule(LightningModule):
             if self.lora is not None and self.lora.quantize:
                 compute_dtype = torch.bfloat16 if dtype in ("auto", torch.float32) else dtype
                 init_kwargs["quantization_config"] = quantization_config(self.lora, compute_dtype)
+                # Quantized weights load straight onto a GPU: this process's own, not always cuda:0 under DDP.
+                init_kwargs.setdefault("device_map", {"": int(os.environ.get("LOCAL_RANK", 0))})
             return AutoModelForCausalLM.from_pretrained(hp.model, dtype=dtype, **common, **init_kwargs)
         overrides = dict(hp.config_overrides or {})
         if self.tokenizer is not None:
@@ -169,6 +178,25 @@ class CausalLMModule(LightningModule):
         return AutoModelForCausalLM.from_config(
             model_config, dtype=torch.float32 if dtype == "auto" else dtype, **common
         )
+
+    def _check_tokenizer_fits_model(self) -> None:
+        if self.tokenizer is None:
+            return
+        from lit_memtrain.datamodules.embedded import EMBEDDED
+
+        rows = self.model.get_input_embeddings().num_embeddings
+        if self.hparams.model and self.hparams.tokenizer == EMBEDDED and rows != len(self.tokenizer):
+            raise ValueError(
+                f"model={self.hparams.model!r} ({rows} embedding rows) is paired with the embedded demo tokenizer "
+                f"({len(self.tokenizer)} tokens), which it was not trained with. Give the model's own "
+                f"tokenizer (for example --data.tokenizer={self.hparams.model})."
+            )
+        if len(self.tokenizer) > rows:
+            raise ValueError(
+                f"Tokenizer {self.hparams.tokenizer!r} has {len(self.tokenizer)} tokens but the model's embedding has "
+                f"only {rows} rows, so some token ids would index past it. Use the model's own tokenizer, or a "
+                "vocab_size of at least the tokenizer's length."
+            )
 
     def _model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
         inputs = {k: v for k, v in batch.items() if k not in _BATCH_ONLY_KEYS and k not in _VARLEN_KEYS}
@@ -212,7 +240,9 @@ class CausalLMModule(LightningModule):
         decoder = self.model.get_decoder()
         hidden = decoder(**self._model_inputs(batch)).last_hidden_state
         weight, bias = self._lm_head_weight()
-        return hidden.flatten(0, 1), weight, bias
+        # A LoRA head keeps fp32 adapters on a bf16 base: compute the loss in the hidden states' dtype.
+        bias = bias.to(hidden.dtype) if bias is not None else None
+        return hidden.flatten(0, 1), weight.to(hidden.dtype), bias
 
     def compute_loss(self, batch: dict[str, Any], num_items: int | Tensor | None = None) -> Tensor:
         """Mean cross-entropy over the batch's trainable target tokens (or divided by ``num_items``)."""
@@ -317,6 +347,14 @@ class CausalLMModule(LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
         trainable = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
+        low_precision = [n for n, p in trainable if p.dtype in (torch.bfloat16, torch.float16)]
+        if low_precision:
+            rank_zero_warn(
+                f"{len(low_precision)} trainable parameters are {self.dtype} (e.g. {low_precision[0]}): AdamW updates "
+                "them in place in that precision, which rounds away updates smaller than about 1/256 of a weight "
+                "(most updates at learning rates below ~1e-4). For full fine-tuning prefer dtype='float32' with "
+                "Trainer(precision='bf16-mixed'), or train a LoRA adapter (its weights stay fp32)."
+            )
         decay = [p for n, p in trainable if p.ndim >= 2]
         no_decay = [p for n, p in trainable if p.ndim < 2]
         optimizer = torch.optim.AdamW(

@@ -25,6 +25,7 @@ inside the MLP and FSDP2's unsharded parameters are included.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lit_memtrain.autocast import active_autocast_dtype
 from lit_memtrain.layers import wrap_forwards
 
 __all__ = ["apply_tiled_mlp", "mlp_tiles", "validate_num_tiles"]
@@ -63,6 +65,9 @@ class _TiledMLPFunction(torch.autograd.Function):
         bounds = _tile_bounds(x.shape[-2], num_tiles)
         # Dropout inside the MLP (LoRA's) must draw the same masks when backward recomputes the tiles.
         ctx.rng_states = (torch.get_rng_state(), torch.cuda.get_rng_state(x.device) if x.is_cuda else None)
+        # Autocast is off inside a custom backward: remember it so the recomputed tiles match forward's dtypes.
+        autocast_dtype = active_autocast_dtype(x.device.type)
+        ctx.autocast = (x.device.type, autocast_dtype) if autocast_dtype is not None else None
         inputs = x.detach()  # tiles of x itself would be views that claim requires_grad without a grad_fn
         out: Tensor | None = None
         for start, end in bounds:
@@ -88,7 +93,8 @@ class _TiledMLPFunction(torch.autograd.Function):
                 torch.cuda.set_rng_state(cuda_state, x.device)
             for start, end in ctx.bounds:
                 x_tile = x[..., start:end, :].detach().requires_grad_(needs_x)
-                with torch.enable_grad():
+                autocast = torch.autocast(*ctx.autocast) if ctx.autocast else contextlib.nullcontext()
+                with torch.enable_grad(), autocast:
                     tile_out = ctx.forward(x_tile)
                 inputs = [x_tile, *params] if needs_x else params
                 grads = torch.autograd.grad(tile_out, inputs, grad_out[..., start:end, :], allow_unused=True)

@@ -219,3 +219,21 @@ def test_invalid_arguments_raise_clear_errors(kwargs, error, message):
     } | kwargs
     with pytest.raises(error, match=message):
         chunked_cross_entropy(**arguments)
+
+
+def test_chunked_matches_plain_under_bf16_autocast():
+    torch.manual_seed(0)
+    hidden = torch.randn(40, 32, requires_grad=True)
+    weight = (torch.randn(300, 32) * 2).requires_grad_()
+    targets = torch.randint(0, 300, (40,))
+    grads = []
+    for chunked in (True, False):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if chunked:
+                loss = chunked_cross_entropy(hidden, weight, targets, chunk_size=7)
+            else:
+                loss = cross_entropy(torch.nn.functional.linear(hidden, weight), targets)
+        grads.append(torch.autograd.grad(loss, (hidden, weight)) + (loss.detach(),))
+    for got, expected in zip(grads[0], grads[1]):
+        assert got.dtype == expected.dtype
+        torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-3)

@@ -174,3 +174,23 @@ def test_learning_rate_warms_up_then_decays_on_a_cosine_to_the_floor(tmp_path):
     assert all(a >= b for a, b in zip(lr[4:], lr[5:]))
     expected_last = 1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi * 15 / 16))
     assert lr[-1] == pytest.approx(expected_last)
+
+
+def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused():
+    with pytest.raises(ValueError, match="has 384 tokens but the model's embedding has only 64 rows"):
+        _module(tokenizer="lit-memtrain/embedded", config_overrides={"vocab_size": 64})
+
+
+def test_a_pretrained_model_with_the_demo_tokenizer_is_refused(tmp_path):
+    _module().model.save_pretrained(tmp_path / "base")  # 512 rows, not the demo tokenizer's 384
+    with pytest.raises(ValueError, match="paired with the embedded demo tokenizer"):
+        CausalLMModule(model=str(tmp_path / "base"), tokenizer="lit-memtrain/embedded")
+
+
+def test_bf16_trainable_weights_warn_about_lost_updates():
+    module = _module(dtype="bfloat16")
+    from lightning.pytorch import Trainer
+
+    module.trainer = Trainer(max_steps=10, logger=False)
+    with pytest.warns(UserWarning, match="rounds away updates"):
+        module.configure_optimizers()

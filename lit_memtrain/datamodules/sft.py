@@ -72,9 +72,10 @@ class SFTDataModule(LightningDataModule):
         pad_to_multiple_of: round the padded length up to a multiple of this.
         packing: pack whole examples into rows of at most ``max_length`` tokens (after tokenization and
             truncation; see :func:`~lit_memtrain.datamodules.packing.pack_dataset`). Packed rows are
-            always collated padding-free, so documents never attend to each other.
+            always collated padding-free, so with ``bfd`` / ``bfd_split`` documents never attend to each other.
         packing_strategy: ``bfd`` (drop overflow), ``bfd_split`` (split long examples, lose nothing) or
-            ``wrapped`` (fixed blocks that cut examples anywhere).
+            ``wrapped`` (fixed blocks that cut examples anywhere; a block is one document, so the examples
+            inside it do attend to each other, as in pre-training).
         padding_free: flatten each batch into one row with ``position_ids`` restarting per document
             (defaults to ``packing``).
 

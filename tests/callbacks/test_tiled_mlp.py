@@ -200,3 +200,19 @@ def test_module_without_decoder_layers_is_a_clear_error():
     message = "TiledMLP has no decoder layers to tile: Could not find decoder layers in NoLayersModule"
     with pytest.raises(ValueError, match=message):
         trainer.fit(NoLayersModule(), data)
+
+
+def test_backward_recomputes_tiles_under_forward_autocast():
+    from lit_memtrain.tiled_mlp import apply_tiled_mlp as tile
+
+    dtypes = []
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.SiLU(), torch.nn.Linear(32, 16))
+    mlp[0].register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
+    layer = torch.nn.Module()
+    layer.mlp = mlp
+    tile([layer], num_tiles=2)
+    x = torch.randn(1, 8, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer.mlp(x)
+    out.float().sum().backward()
+    assert dtypes and set(dtypes) == {torch.bfloat16}  # forward tiles and backward recomputation alike
