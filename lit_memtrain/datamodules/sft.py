@@ -242,8 +242,10 @@ class SFTDataModule(LightningDataModule):
         return packed
 
     def prepare_data(self) -> None:
-        if isinstance(self.dataset, str):
-            self._prepare()
+        # Runs on one process per node before setup: it fills the datasets cache that the other ranks read.
+        # This process keeps the result, so its own setup does not redo the work.
+        if isinstance(self.dataset, str) and self.train_dataset is None:
+            self.train_dataset, self.val_dataset, self.num_dropped = self._prepare()
 
     def setup(self, stage: str) -> None:
         if self.train_dataset is None:
