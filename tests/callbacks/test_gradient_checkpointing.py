@@ -222,27 +222,6 @@ def test_trainer_with_a_user_module_trains_like_the_plain_model():
         assert "forward" not in vars(layer) and "forward" not in vars(layer.mlp)
 
 
-class NoLayersModule(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.head = nn.Linear(4, 1)
-
-    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
-        return self.head(batch[0]).sum()
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-def test_module_without_decoder_layers_is_a_clear_error():
-    callbacks = [GradientCheckpointing()]
-    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False, callbacks=callbacks)
-    data = DataLoader(TensorDataset(torch.randn(2, 4)), batch_size=2)
-    message = "GradientCheckpointing has no layers to checkpoint: Could not find decoder layers in NoLayersModule"
-    with pytest.raises(ValueError, match=message):
-        trainer.fit(NoLayersModule(), data)
-
-
 def test_layers_path_selects_the_layers():
     module = UserModule("tiny-llama")
     callback = GradientCheckpointing(layers_path="model.model.layers")
