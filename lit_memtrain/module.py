@@ -82,9 +82,9 @@ class CausalLMModule(LightningModule):
         warmup: warmup steps (int) or fraction of the total steps (float < 1), then cosine decay
             to ``min_lr_ratio * learning_rate``.
 
-    Loss normalisation: each batch's loss is the mean over its trainable target tokens; under DDP it is
-    divided by the count across all ranks instead, so every token weighs the same. With gradient
-    accumulation each micro-batch is still normalised by its own count (a mean of micro-batch means).
+    Loss normalisation: every optimizer step trains on the mean loss of all its trainable target tokens,
+    across gradient-accumulation micro-batches and DDP ranks, so each token weighs the same however the
+    tokens fall into micro-batches (``train/loss`` shows each micro-batch's own mean).
         lora: train a LoRA adapter instead of all weights (:class:`~lit_memtrain.lora.LoraSettings`);
             with ``quantize`` the base is loaded in 4 or 8 bits (QLoRA, CUDA only). When the base comes from
             ``model``, checkpoints hold only the adapter.
@@ -150,6 +150,7 @@ class CausalLMModule(LightningModule):
         self.adapter_only_checkpoints = lora is not None and bool(model)
         self.strict_loading = not self.adapter_only_checkpoints
         self.train_tokens_seen = 0
+        self._step_trainable_tokens: Tensor | int = 0
         self.first_train_loss: float | None = None
         self.last_train_loss: float | None = None
         self._step_started_at: float | None = None
@@ -296,25 +297,40 @@ class CausalLMModule(LightningModule):
             return int(batch["attention_mask"].sum())
         return batch["input_ids"].numel()
 
-    def _num_items_per_rank(self, batch: dict[str, Any]) -> Tensor | None:
-        """Trainable targets of the whole step divided by the world size, so that DDP's gradient average
-        weights every token across ranks equally (None on one device: the batch's own count)."""
-        if self.trainer.world_size == 1:
-            return None
-        local = (shift_targets(batch["labels"]) != IGNORE_INDEX).sum()
-        return self.trainer.strategy.reduce(local, reduce_op="sum") / self.trainer.world_size
-
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
-        loss = self.compute_loss(batch, self._num_items_per_rank(batch))
+        # The loss returned for backward is the sum of token losses; on_before_optimizer_step divides the
+        # gradients by the trainable tokens of the whole optimizer step (all micro-batches, all ranks), which
+        # is only known once the step's last micro-batch has run.
+        trainable = (shift_targets(batch["labels"]) != IGNORE_INDEX).sum()
+        loss_sum = self.compute_loss(batch, num_items=1)
+        self._step_trainable_tokens = self._step_trainable_tokens + trainable.detach()
         self.train_tokens_seen += self.count_tokens(batch)
-        value = loss.detach().item()
+        mean = loss_sum.detach() / trainable.clamp(min=1)
+        value = mean.item()
         if self.first_train_loss is None:
             self.first_train_loss = value
         self.last_train_loss = value
-        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/loss", mean, prog_bar=True)
         self.log("train/ppl", math.exp(min(value, 50.0)))
         self.log("train/tokens", float(self.train_tokens_seen))
-        return loss
+        return loss_sum
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Turn the accumulated gradient of summed token losses into that of the step's mean token loss.
+
+        Lightning divided each micro-batch loss by ``accumulate_grad_batches`` and DDP averaged over ranks, so
+        the factor undoing both and dividing by the global token count is ``accumulate * world / tokens``.
+        Runs before gradient clipping, so clipping sees the normalised gradients.
+        """
+        tokens = self._step_trainable_tokens
+        if self.trainer.world_size > 1:
+            tokens = self.trainer.strategy.reduce(torch.as_tensor(tokens, device=self.device), reduce_op="sum")
+        factor = self.trainer.accumulate_grad_batches * self.trainer.world_size / torch.as_tensor(tokens).clamp(min=1)
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.grad.mul_(factor.to(param.grad.device, param.grad.dtype))
+        self._step_trainable_tokens = 0
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._step_started_at = time.perf_counter()
