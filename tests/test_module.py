@@ -219,3 +219,31 @@ def test_gradient_accumulation_weights_every_token_equally(tmp_path):
     trainer.fit(module, loader)
     for name, p in module.named_parameters():
         torch.testing.assert_close(before[name] - p.detach(), dict(reference.named_parameters())[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_ddp_ranks_with_different_token_counts_train_on_the_global_mean(tmp_path):
+    """Rank 0 sees 4 trainable tokens and rank 1 sees 1: the update is that of the 5-token mean loss."""
+    from lightning.pytorch import Trainer
+    from torch.utils.data import DataLoader
+
+    examples = [{"input_ids": [5, 6, 7, 8, 9], "labels": [5, 6, 7, 8, 9]}, {"input_ids": [3, 4, 5], "labels": [-100, -100, 5]}]
+
+    class PerRankData(CausalLMModule):
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1.0)
+
+        def train_dataloader(self):
+            return DataLoader([examples[self.global_rank]], batch_size=1, collate_fn=PaddedCollator(pad_token_id=0))
+
+    torch.manual_seed(0)
+    module = PerRankData(preset="tiny-qwen3")
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    reference = copy.deepcopy(module)
+    reference.compute_loss(PaddedCollator(pad_token_id=0)(examples)).backward()
+    trainer = Trainer(
+        max_steps=1, accelerator="cpu", devices=2, strategy="ddp_fork", use_distributed_sampler=False,
+        logger=False, enable_progress_bar=False, enable_checkpointing=False, default_root_dir=tmp_path,
+    )
+    trainer.fit(module)
+    for name, p in module.named_parameters():
+        torch.testing.assert_close(before[name] - p.detach(), dict(reference.named_parameters())[name].grad, rtol=1e-4, atol=1e-6, msg=name)
