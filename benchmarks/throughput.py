@@ -130,7 +130,7 @@ class StepTimer(Callback):
         self.tokens.append(CausalLMModule.count_tokens(batch))
         self.positions.append(batch["input_ids"].numel())
         self.trainable_targets.append(int((batch["labels"][..., 1:] != -100).sum()))
-        self.losses.append(float(outputs["loss"]))
+        self.losses.append(float(trainer.callback_metrics["train/loss"]))  # the micro-batch mean
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.output:

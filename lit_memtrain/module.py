@@ -151,6 +151,7 @@ class CausalLMModule(LightningModule):
         self.strict_loading = not self.adapter_only_checkpoints
         self.train_tokens_seen = 0
         self._step_trainable_tokens: Tensor | int = 0
+        self._rescale_gradients = False
         self.first_train_loss: float | None = None
         self.last_train_loss: float | None = None
         self._step_started_at: float | None = None
@@ -298,14 +299,19 @@ class CausalLMModule(LightningModule):
         return batch["input_ids"].numel()
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
-        # The loss returned for backward is the sum of token losses; on_before_optimizer_step divides the
-        # gradients by the trainable tokens of the whole optimizer step (all micro-batches, all ranks), which
-        # is only known once the step's last micro-batch has run.
-        trainable = (shift_targets(batch["labels"]) != IGNORE_INDEX).sum()
-        loss_sum = self.compute_loss(batch, num_items=1)
-        self._step_trainable_tokens = self._step_trainable_tokens + trainable.detach()
+        # With several micro-batches or ranks per step, the loss returned for backward is the sum of token
+        # losses and on_before_optimizer_step divides the gradients by the trainable tokens of the whole step
+        # (all micro-batches, all ranks), which is only known once the step's last micro-batch has run.
+        self._rescale_gradients = self.trainer.accumulate_grad_batches > 1 or self.trainer.world_size > 1
+        if self._rescale_gradients:
+            trainable = (shift_targets(batch["labels"]) != IGNORE_INDEX).sum()
+            loss = self.compute_loss(batch, num_items=1)
+            self._step_trainable_tokens = self._step_trainable_tokens + trainable.detach()
+            mean = loss.detach() / trainable.clamp(min=1)
+        else:  # one micro-batch on one device: its own mean is the step's mean
+            loss = self.compute_loss(batch)
+            mean = loss.detach()
         self.train_tokens_seen += self.count_tokens(batch)
-        mean = loss_sum.detach() / trainable.clamp(min=1)
         value = mean.item()
         if self.first_train_loss is None:
             self.first_train_loss = value
@@ -313,7 +319,7 @@ class CausalLMModule(LightningModule):
         self.log("train/loss", mean, prog_bar=True)
         self.log("train/ppl", math.exp(min(value, 50.0)))
         self.log("train/tokens", float(self.train_tokens_seen))
-        return loss_sum
+        return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Turn the accumulated gradient of summed token losses into that of the step's mean token loss.
@@ -322,6 +328,8 @@ class CausalLMModule(LightningModule):
         the factor undoing both and dividing by the global token count is ``accumulate * world / tokens``.
         Runs before gradient clipping, so clipping sees the normalised gradients.
         """
+        if not self._rescale_gradients:
+            return
         tokens = self._step_trainable_tokens
         if self.trainer.world_size > 1:
             tokens = self.trainer.strategy.reduce(torch.as_tensor(tokens, device=self.device), reduce_op="sum")
