@@ -412,9 +412,20 @@ class CausalLMModule(LightningModule):
             self.print(f"exported Hugging Face model to {path}")
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["lit_memtrain"] = {
+            "train_tokens_seen": self.train_tokens_seen,
+            "first_train_loss": self.first_train_loss,
+            "last_train_loss": self.last_train_loss,
+        }
         if self.adapter_only_checkpoints:
             trainable = {f"model.{name}" for name, p in self.model.named_parameters() if p.requires_grad}
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        counters = checkpoint.get("lit_memtrain", {})
+        self.train_tokens_seen = counters.get("train_tokens_seen", 0)
+        self.first_train_loss = counters.get("first_train_loss")
+        self.last_train_loss = counters.get("last_train_loss")
 
     def export(self, directory: str | Path) -> Path:
         """Write a Hugging Face directory (model with any adapter merged, and tokenizer) that ``from_pretrained`` loads."""

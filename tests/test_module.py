@@ -247,3 +247,17 @@ def test_ddp_ranks_with_different_token_counts_train_on_the_global_mean(tmp_path
     trainer.fit(module)
     for name, p in module.named_parameters():
         torch.testing.assert_close(before[name] - p.detach(), dict(reference.named_parameters())[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_resumed_runs_keep_their_token_count_and_losses(tmp_path):
+    from lightning.pytorch import Trainer
+
+    from lit_memtrain.datamodules.sft import SFTDataModule
+
+    module = _module(tokenizer="lit-memtrain/embedded")
+    trainer = Trainer(max_steps=2, logger=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    trainer.fit(module, datamodule=SFTDataModule(max_length=32, batch_size=2))
+    trainer.save_checkpoint(tmp_path / "run.ckpt")
+    restored = CausalLMModule.load_from_checkpoint(tmp_path / "run.ckpt", weights_only=False)
+    assert restored.train_tokens_seen == module.train_tokens_seen > 0
+    assert (restored.first_train_loss, restored.last_train_loss) == (module.first_train_loss, module.last_train_loss)
