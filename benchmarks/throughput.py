@@ -317,6 +317,13 @@ def main() -> None:
     report(timers, clock)
 
 
+def print_table(rows: list[tuple[str, ...]]) -> None:
+    """Print rows of cells right-aligned in columns (the first row is the header)."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.rjust(width) for cell, width in zip(row, widths)))
+
+
 def report(timers: dict[str, list[StepTimer]], clock: str) -> None:
     """Print per-configuration medians and the packed/padded ratio (median over rounds) by ``clock`` and wall."""
     rows = [("config", "real tokens/step", "pad share", "step s (median)", f"tokens/s ({clock})", "tokens/s (wall)")]
@@ -335,9 +342,7 @@ def report(timers: dict[str, list[StepTimer]], clock: str) -> None:
                 f"{statistics.median(t.tokens_per_second('wall') for t in runs):,.0f}",
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(cell.rjust(width) for cell, width in zip(row, widths)))
+    print_table(rows)
 
     def ratios(by: str) -> list[float]:
         return [b.tokens_per_second(by) / a.tokens_per_second(by) for a, b in zip(timers["padded"], timers["packed"])]

@@ -226,6 +226,8 @@ def clock_for(args: argparse.Namespace) -> str:
 
 
 def summarise(args: argparse.Namespace, ours: list[dict], trl_runs: list[dict], dataset_tokens: int) -> None:
+    from throughput import print_table
+
     clock = clock_for(args)
     frameworks = {"lit-memtrain": ours, "trl": trl_runs}
     for name, runs in frameworks.items():
@@ -258,9 +260,8 @@ def summarise(args: argparse.Namespace, ours: list[dict], trl_runs: list[dict], 
                 f"{statistics.mean(statistics.mean(run['losses'][-5:]) for run in runs):.4f}",
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(cell.rjust(width) for cell, width in zip(row, widths)))
+    print_table(rows)
+
     def ratios(by: str) -> list[float]:
         return [tokens_per_second(a, by) / tokens_per_second(b, by) for a, b in zip(ours, trl_runs)]
 
