@@ -1,14 +1,14 @@
-"""The GPU machines we benchmark on lack datasets, wandb and jsonargparse: the module, the loss and the
-callbacks must import without them."""
+"""The GPU machines we benchmark on lack datasets, wandb, jsonargparse and numba: the module, the loss and
+the callbacks must import without them."""
 
 import subprocess
 import sys
 
 
-def test_module_loss_and_callbacks_do_not_import_datasets_wandb_or_jsonargparse():
+def test_module_loss_and_callbacks_do_not_import_datasets_wandb_jsonargparse_or_numba():
     code = (
         "import sys, lit_memtrain.module, lit_memtrain.loss, lit_memtrain.callbacks;"
-        "print(sorted(m for m in ('datasets', 'wandb', 'jsonargparse') if m in sys.modules))"
+        "print(sorted(m for m in ('datasets', 'wandb', 'jsonargparse', 'numba') if m in sys.modules))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

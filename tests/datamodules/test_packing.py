@@ -276,3 +276,17 @@ def test_many_chunk_tables_and_non_numeric_columns(strategy: str) -> None:
     if strategy == "bfd":
         expected.remove(8)
     assert sorted(token for token, _ in flat) == expected
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_source_order_lists_segments_in_dataset_order(strategy: str) -> None:
+    plan = plan_packing(lognormal_lengths(3000, seed=2), 1024, strategy)
+    np.testing.assert_array_equal(plan.source_order, np.lexsort((plan.start, plan.example)))
+
+
+def test_values_that_start_inside_their_buffer() -> None:
+    values = pa.array(np.arange(100, 130, dtype=np.int64)).slice(5)
+    column = pa.ListArray.from_arrays(pa.array([0, 4, 6, 11], pa.int32()), values)
+    assert column.values.offset == 5
+    packed = pack_dataset(Dataset(pa.table({"input_ids": column})), 6, "bfd")
+    assert packed["input_ids"] == [[111, 112, 113, 114, 115], [105, 106, 107, 108, 109, 110]]
