@@ -3,7 +3,9 @@
 Same for both:
 
 - weights: one random ``tiny-qwen3`` (the shape of ``benchmarks/throughput.py``: hidden 512, 2 layers,
-  fp32) built once, saved with ``save_pretrained`` and loaded by each run with sdpa attention;
+  fp32) built once, saved with ``save_pretrained`` and loaded by each run with sdpa attention (with
+  ``--attention sdpa_by_document`` ours runs SDPA once per packed document instead, see
+  ``lit_memtrain/attention.py``; TRL keeps sdpa, which masks a dense row);
 - tokenizer: the embedded one, saved next to the weights;
 - data: the synthetic ``text`` examples of ``benchmarks/throughput.py`` (lognormal lengths, median 100,
   clipped to [8, ``--max-length``]) in one JSON-lines file, every token trained;
@@ -26,8 +28,8 @@ TRL packs each ``datasets.map`` batch of 1000 examples on its own and we pack gl
 rows differently, so the rows differ slightly; the script prints the tokens per step of both and fails if
 their means differ by more than 2% (it also fails unless both tokenized the data to the same total).
 
-Differences kept on purpose: TRL's default optimizer is ``adamw_torch_fused`` and ours is torch's AdamW
-without ``fused`` (``--trl-optim adamw_torch`` gives TRL the same kernel as ours).
+Optimizer kernel: both use torch's fused AdamW (TRL's default ``adamw_torch_fused``; ours whenever the
+parameters allow it); ``--trl-optim adamw_torch`` gives TRL the per-tensor loop instead.
 
 Each framework runs in its own subprocess (ours through ``python -m lit_memtrain.cli fit``), alternating
 in ``--rounds`` rounds on the shared machine; torch runs on ``--threads`` threads in both (one by default,
@@ -145,7 +147,7 @@ def run_ours(args: argparse.Namespace, model_dir: Path, data: Path, output: Path
         "--trainer.callbacks+=throughput.StepTimer",
         f"--trainer.callbacks.warmup_steps={args.warmup_steps}",
         f"--trainer.callbacks.output={output}",
-        f"--model.model={model_dir}", "--model.dtype=float32", "--model.attn_implementation=sdpa",
+        f"--model.model={model_dir}", "--model.dtype=float32", f"--model.attn_implementation={args.attention}",
         f"--model.learning_rate={args.learning_rate}", "--model.weight_decay=0.0",
         "--model.warmup=0", "--model.min_lr_ratio=1.0", "--model.loss_type=chunked",
         f"--data.tokenizer={model_dir}", f"--data.dataset={data}",
@@ -286,6 +288,9 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument(
+        "--attention", default="sdpa", choices=["sdpa", "sdpa_by_document"], help="ours; TRL always uses sdpa"
+    )
     parser.add_argument("--trl-optim", default="adamw_torch_fused", help="TRL's optim (its default: fused AdamW)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
@@ -315,7 +320,7 @@ def main() -> None:
         print(
             f"trl {trl.__version__}; {args.examples} examples, {dataset_tokens:,} tokens; rows of {args.max_length}, "
             f"{args.batch_size} per step; {args.warmup_steps} warm-up + {args.steps} timed steps per run; "
-            f"{args.threads} thread(s); prepared in {time.perf_counter() - start:.1f} s"
+            f"{args.threads} thread(s); attention: ours {args.attention}, TRL sdpa; prepared in {time.perf_counter() - start:.1f} s"
         )
         ours, trl_runs = [], []
         for round_index in range(args.rounds):

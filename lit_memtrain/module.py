@@ -26,6 +26,7 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from lit_memtrain.attention import SDPA_BY_DOCUMENT
 from lit_memtrain.lora import LoraSettings, apply_lora, head_weight, merged_copy, quantization_config
 from lit_memtrain.loss import IGNORE_INDEX, chunked_cross_entropy, cross_entropy
 from lit_memtrain.presets import build_config
@@ -33,7 +34,7 @@ from lit_memtrain.presets import build_config
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _BATCH_ONLY_KEYS = ("labels", "num_trainable_tokens", "num_tokens", "seq_lengths")
 _VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-_DOCUMENT_AWARE_ATTENTION = frozenset({"eager", "sdpa", "flex_attention"})
+_DOCUMENT_AWARE_ATTENTION = frozenset({"eager", "sdpa", "flex_attention", SDPA_BY_DOCUMENT})
 
 
 def shift_targets(labels: Tensor) -> Tensor:
@@ -71,8 +72,10 @@ class CausalLMModule(LightningModule):
         tokenizer: tokenizer to export with the model (linked to the datamodule's by the CLI). A model built
             from a preset takes its vocabulary size from it unless ``config_overrides`` sets ``vocab_size``.
         dtype: parameter dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto`` (the checkpoint's).
-        attn_implementation: ``sdpa``, ``eager``, ``flex_attention``, ``flash_attention_2`` or a hub kernel
-            name such as ``kernels-community/flash-attn``.
+        attn_implementation: ``sdpa``, ``eager``, ``flex_attention``, ``flash_attention_2``, a hub kernel
+            name such as ``kernels-community/flash-attn``, or ``sdpa_by_document`` (SDPA once per packed
+            document, without the dense L x L mask ``sdpa`` builds for padding-free rows; see
+            :mod:`lit_memtrain.attention`).
         model_init_kwargs: extra arguments for the model constructor, e.g. YaRN
             ``{"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
             "original_max_position_embeddings": 40960}}``.
@@ -204,8 +207,11 @@ class CausalLMModule(LightningModule):
         inputs = {k: v for k, v in batch.items() if k not in _BATCH_ONLY_KEYS and k not in _VARLEN_KEYS}
         if "position_ids" in batch and "attention_mask" not in batch:
             self._check_documents_stay_apart(batch)
-            if "flash" in self.hparams.attn_implementation:
+            name = self.model.config._attn_implementation
+            if "flash" in name:
                 inputs.update({k: batch[k] for k in _VARLEN_KEYS if k in batch})
+            elif name == SDPA_BY_DOCUMENT and "cu_seq_lens_q" in batch:  # read once here, not once per layer
+                inputs["cu_seq_lens_q"] = batch["cu_seq_lens_q"].cpu()
         inputs["use_cache"] = False
         return inputs
 

@@ -1,0 +1,136 @@
+"""``attn_implementation="sdpa_by_document"``: PyTorch SDPA run one packed document at a time.
+
+Why: for a padding-free row (several documents, ``position_ids`` restarting at each), transformers keeps
+``sdpa`` documents apart by building a dense L x L mask: O(L^2) memory (16 GiB of booleans for one
+128k-token row), a kernel that computes every cross-document block only to mask it out, and on GPUs a
+fallback away from SDPA's flash backend, which takes no mask. Flash-attention's varlen kernels avoid all
+three but need the ``flash-attn`` package, which does not build everywhere. This implementation builds no
+mask for such rows and calls SDPA with ``is_causal=True`` once per document, so memory is O(L), cross-
+document blocks cost nothing, and SDPA may pick its flash or memory-efficient kernel. The document bounds
+come from ``cu_seq_lens_q`` (``CausalLMModule`` passes the collator's, copied to the CPU once per forward)
+or else from the restarts of ``position_ids`` (one device sync per layer).
+
+Any call with an attention mask (padded batches), or with a KV cache (generation, where queries and keys
+differ in length), is handed to transformers' own ``sdpa`` unchanged. Registered with transformers when
+``lit_memtrain`` is imported.
+
+Usage::
+
+    import lit_memtrain  # registers the implementation
+
+    module = CausalLMModule(model="Qwen/Qwen3-0.6B", attn_implementation="sdpa_by_document")
+    data = SFTDataModule(..., packing=True)
+"""
+
+from __future__ import annotations
+
+from itertools import pairwise
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+SDPA_BY_DOCUMENT = "sdpa_by_document"
+
+_UNSUPPORTED_KWARGS = ("sliding_window", "softcap", "s_aux")
+
+
+def sdpa_by_document(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """Causal attention within each document of each row; ``query`` is [B, heads, L, head_dim]."""
+    queries, keys = query.shape[2], key.shape[2]
+    if attention_mask is None and 1 < queries < keys:  # new tokens after a KV cache see it all, and causally each other
+        attention_mask = torch.ones(queries, keys, dtype=torch.bool, device=query.device).tril(keys - queries)
+    if attention_mask is not None or queries != keys:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
+    unsupported = [name for name in _UNSUPPORTED_KWARGS if kwargs.get(name) is not None]
+    if unsupported:
+        raise ValueError(
+            f"attn_implementation={SDPA_BY_DOCUMENT!r} does not support {', '.join(unsupported)} (set by "
+            f"{type(module).__name__}); use 'sdpa' or a flash-attention kernel for this model."
+        )
+    bounds = _document_bounds(query, kwargs)
+    if all(len(row_bounds) == 2 for row_bounds in bounds):  # one document per row: one call for the batch
+        output = _causal_sdpa(query, key, value, scaling, dropout)
+    else:
+        rows = enumerate(bounds)
+        output = torch.cat([_attend_row(query, key, value, row, row_bounds, scaling, dropout) for row, row_bounds in rows])
+    return output.transpose(1, 2).contiguous(), None
+
+
+def _attend_row(
+    query: Tensor, key: Tensor, value: Tensor, row: int, bounds: list[int], scaling: float | None, dropout: float
+) -> Tensor:
+    """Row ``row`` of the output, each document attending causally to itself only."""
+    documents = [
+        _causal_sdpa(
+            query[row : row + 1, :, start:stop],
+            key[row : row + 1, :, start:stop],
+            value[row : row + 1, :, start:stop],
+            scaling,
+            dropout,
+        )
+        for start, stop in pairwise(bounds)
+    ]
+    return torch.cat(documents, dim=2)
+
+
+def _causal_sdpa(query: Tensor, key: Tensor, value: Tensor, scaling: float | None, dropout: float) -> Tensor:
+    return F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        dropout_p=dropout,
+        is_causal=True,
+        scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+
+
+def _document_bounds(query: Tensor, kwargs: dict[str, Any]) -> list[list[int]]:
+    """Per row, the token offsets where its documents start, followed by the row length."""
+    batch, length = query.shape[0], query.shape[2]
+    cu_seq_lens = kwargs.get("cu_seq_lens_q")
+    if cu_seq_lens is not None:
+        bounds = cu_seq_lens.tolist()
+        if batch != 1 or bounds[0] != 0 or bounds[-1] != length:
+            raise ValueError(
+                f"cu_seq_lens_q must describe one flattened row of {length} tokens (from 0 to {length}), got "
+                f"{bounds[:4]}...{bounds[-1:]} for a batch of {batch} row(s); build padding-free batches with "
+                "PaddingFreeCollator."
+            )
+        return [bounds]
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        return [[0, length]] * batch
+    starts = position_ids.expand(batch, length) == 0
+    starts[:, 0] = True
+    bounds: list[list[int]] = [[] for _ in range(batch)]
+    for row, start in torch.nonzero(starts).tolist():
+        bounds[row].append(start)
+    return [row + [length] for row in bounds]
+
+
+def _mask_only_for_padding(*args: Any, attention_mask: Tensor | None = None, **kwargs: Any) -> Tensor | None:
+    """No mask unless the batch has a padding mask: documents are kept apart by ``sdpa_by_document``."""
+    if attention_mask is None:
+        return None
+    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
+AttentionInterface.register(SDPA_BY_DOCUMENT, sdpa_by_document)
+AttentionMaskInterface.register(SDPA_BY_DOCUMENT, _mask_only_for_padding)

@@ -1,0 +1,92 @@
+"""sdpa_by_document: the same results as transformers' sdpa, without a dense mask for packed rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from lit_memtrain import CausalLMModule
+from lit_memtrain.attention import SDPA_BY_DOCUMENT
+from lit_memtrain.datamodules.padding_free import PaddingFreeCollator
+from lit_memtrain.presets import build_config
+
+DOCUMENT_LENGTHS = (5, 3, 7)
+
+
+def build_model(attention: str, preset: str = "tiny-qwen3", **overrides) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = build_config(preset, overrides)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=torch.float32).eval()
+
+
+def documents(vocab_size: int) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [{"input_ids": torch.randint(0, vocab_size, (n,), generator=generator)} for n in DOCUMENT_LENGTHS]
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-llama"])
+@pytest.mark.parametrize("bounds_from", ["cu_seq_lens_q", "position_ids"])
+def test_packed_row_equals_documents_run_alone(preset: str, bounds_from: str) -> None:
+    model = build_model(SDPA_BY_DOCUMENT, preset)
+    docs = documents(model.config.vocab_size)
+    batch = PaddingFreeCollator(pad_to_multiple_of=8)(docs)
+    extra = {"cu_seq_lens_q": batch["cu_seq_lens_q"]} if bounds_from == "cu_seq_lens_q" else {}
+    with torch.no_grad():
+        packed = model(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False, **extra
+        ).logits[0]
+        alone = [model(input_ids=doc["input_ids"][None], use_cache=False).logits[0] for doc in docs]
+        mixed = model(input_ids=batch["input_ids"], use_cache=False).logits[0]  # no restarts: one document
+    real = sum(DOCUMENT_LENGTHS)
+    torch.testing.assert_close(packed[:real], torch.cat(alone), atol=1e-5, rtol=0)
+    assert (mixed[DOCUMENT_LENGTHS[0] : real] - torch.cat(alone[1:])).abs().max() > 1e-2
+
+
+def test_padded_batches_and_generation_match_sdpa() -> None:
+    ours, reference = build_model(SDPA_BY_DOCUMENT), build_model("sdpa")
+    input_ids = torch.randint(0, ours.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(2))
+    attention_mask = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]])  # left padding
+    with torch.no_grad():
+        for kwargs in ({}, {"attention_mask": attention_mask}):
+            torch.testing.assert_close(
+                ours(input_ids=input_ids, use_cache=False, **kwargs).logits,
+                reference(input_ids=input_ids, use_cache=False, **kwargs).logits,
+                atol=1e-5,
+                rtol=0,
+            )
+    settings = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
+    generated = ours.generate(input_ids=input_ids, attention_mask=attention_mask, **settings)
+    assert torch.equal(generated, reference.generate(input_ids=input_ids, attention_mask=attention_mask, **settings))
+
+    with torch.no_grad():  # two new tokens after a cache of four: each sees the cache and the tokens before it
+        cached = ours(input_ids=input_ids[:, :4], use_cache=True)
+        step = ours(input_ids=input_ids[:, 4:], past_key_values=cached.past_key_values, use_cache=True).logits
+        full = reference(input_ids=input_ids, use_cache=False).logits[:, 4:]
+    torch.testing.assert_close(step, full, atol=1e-5, rtol=0)
+
+
+def test_module_trains_packed_rows_like_sdpa() -> None:
+    losses, gradients = {}, {}
+    for attention in ("sdpa", SDPA_BY_DOCUMENT):
+        torch.manual_seed(0)
+        module = CausalLMModule(preset="tiny-qwen3", config_overrides={"vocab_size": 64}, attn_implementation=attention)
+        batch = PaddingFreeCollator(pad_to_multiple_of=8)(
+            [{"input_ids": doc["input_ids"] % 64} for doc in documents(64)]
+        )
+        loss = module.compute_loss(batch)
+        loss.backward()
+        losses[attention] = loss.detach()
+        gradients[attention] = torch.cat([p.grad.flatten() for p in module.model.parameters()])
+    torch.testing.assert_close(losses[SDPA_BY_DOCUMENT], losses["sdpa"], atol=1e-6, rtol=0)
+    torch.testing.assert_close(gradients[SDPA_BY_DOCUMENT], gradients["sdpa"], atol=1e-6, rtol=0)
+
+
+def test_unsupported_model_features_are_refused() -> None:
+    model = build_model(SDPA_BY_DOCUMENT, use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    with pytest.raises(ValueError, match="'sdpa_by_document' does not support sliding_window"):
+        model(input_ids=torch.zeros(1, 6, dtype=torch.long), use_cache=False)
+    with pytest.raises(ValueError, match="cu_seq_lens_q must describe one flattened row of 6 tokens"):
+        build_model(SDPA_BY_DOCUMENT)(
+            input_ids=torch.zeros(1, 6, dtype=torch.long), cu_seq_lens_q=torch.tensor([0, 4]), use_cache=False
+        )
