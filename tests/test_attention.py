@@ -90,3 +90,20 @@ def test_unsupported_model_features_are_refused() -> None:
         build_model(SDPA_BY_DOCUMENT)(
             input_ids=torch.zeros(1, 6, dtype=torch.long), cu_seq_lens_q=torch.tensor([0, 4]), use_cache=False
         )
+
+
+def test_no_dense_mask_is_built_for_a_packed_row() -> None:
+    masks = {}
+    for attention in ("sdpa", SDPA_BY_DOCUMENT):
+        model = build_model(attention)
+        batch = PaddingFreeCollator()(documents(model.config.vocab_size))
+
+        def record(layer, args, kwargs, attention=attention):  # noqa: ANN001
+            masks[attention] = kwargs.get("attention_mask")
+
+        model.model.layers[0].register_forward_pre_hook(record, with_kwargs=True)
+        with torch.no_grad():
+            model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+    length = sum(DOCUMENT_LENGTHS)
+    assert masks["sdpa"].shape[-2:] == (length, length)  # what sdpa builds: L x L, quadratic in the row
+    assert masks[SDPA_BY_DOCUMENT] is None
