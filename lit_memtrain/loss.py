@@ -3,9 +3,10 @@
 Why a chunked loss: the logits of a step are tokens x vocabulary, upcast to fp32 for the log-sum-exp. For
 Qwen3 (151,936 tokens in the vocabulary) at 160k tokens that is 97 GB, the first thing to run out of memory
 as the sequence grows. ``chunked_cross_entropy`` takes the final hidden states and the LM-head weight
-instead of logits, and computes the logits of ``chunk_size`` rows at a time in forward and again in
-backward, so at most one chunk of logits exists at any moment. Only what backward needs is saved: the
-hidden states, the weight, the kept targets and one fp32 log-sum-exp per row.
+instead of logits, and computes the logits of ``chunk_size`` rows at a time, so at most one chunk of
+logits exists at any moment. While a chunk's logits exist, their gradients with respect to the hidden
+states and the weight are computed too (when autograd will need them), so backward only scales them and
+no logits are computed twice.
 
 Rows whose target is ``-100`` are dropped before any logits are computed, so prompt tokens and padding
 cost nothing.
@@ -105,7 +106,14 @@ def _chunk_logits(hidden_rows: Tensor, weight: Tensor, bias: Tensor | None, soft
 
 
 class _ChunkedCrossEntropySum(torch.autograd.Function):
-    """Sum of token losses over the rows ``kept_rows`` of ``hidden``, never holding all logits at once."""
+    """Sum of token losses over the rows ``kept_rows`` of ``hidden``, never holding all logits at once.
+
+    The gradients are computed in forward, a chunk at a time while that chunk's logits exist anyway, and
+    backward only scales them: the logits are computed once rather than again in backward, which takes the
+    LM head from four matmuls per step to three. What is kept for backward is the size of what a recompute
+    would keep (the gradient of ``hidden`` instead of ``hidden``; the weight's gradient, which backward
+    would allocate first thing anyway).
+    """
 
     @staticmethod
     def forward(
@@ -117,38 +125,24 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
         kept_targets: Tensor,
         chunk_size: int,
         softcap: float | None,
+        needs_grad: tuple[bool, bool, bool],
     ) -> Tensor:
-        lse = torch.empty(kept_rows.shape[0], dtype=torch.float32, device=hidden.device)
-        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for start in range(0, kept_rows.shape[0], chunk_size):
-            rows = kept_rows[start : start + chunk_size]
-            chunk_targets = kept_targets[start : start + chunk_size]
-            logits = _chunk_logits(hidden.index_select(0, rows), weight, bias, softcap)
-            chunk_lse = torch.logsumexp(logits, dim=1)
-            lse[start : start + chunk_size] = chunk_lse
-            loss_sum += (chunk_lse - logits.gather(1, chunk_targets.unsqueeze(1)).squeeze(1)).sum()
-        ctx.save_for_backward(hidden, weight, bias, kept_rows, kept_targets, lse)
-        ctx.chunk_size = chunk_size
-        ctx.softcap = softcap
-        return loss_sum
-
-    @staticmethod
-    def backward(ctx, grad_output: Tensor):
-        hidden, weight, bias, kept_rows, kept_targets, lse = ctx.saved_tensors
-        chunk_size, softcap = ctx.chunk_size, ctx.softcap
-        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        needs_hidden, needs_weight, needs_bias = needs_grad
         grad_hidden = torch.zeros_like(hidden) if needs_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight else None
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if needs_bias else None
-        scale = grad_output.float()
+        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, kept_rows.shape[0], chunk_size):
             rows = kept_rows[start : start + chunk_size]
             chunk_targets = kept_targets[start : start + chunk_size]
             hidden_rows = hidden.index_select(0, rows)
             logits = _chunk_logits(hidden_rows, weight, bias, softcap)
-            grad_logits = torch.exp(logits - lse[start : start + chunk_size].unsqueeze(1))
+            lse = torch.logsumexp(logits, dim=1)
+            loss_sum += (lse - logits.gather(1, chunk_targets.unsqueeze(1)).squeeze(1)).sum()
+            if not any(needs_grad):
+                continue
+            grad_logits = torch.exp(logits - lse.unsqueeze(1))
             grad_logits[torch.arange(rows.shape[0], device=rows.device), chunk_targets] -= 1
-            grad_logits *= scale
             if softcap is not None:
                 # d(softcap * tanh(z / softcap)) / dz = 1 - tanh^2, with tanh = capped / softcap.
                 grad_logits *= 1 - (logits / softcap).square()
@@ -163,11 +157,17 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
                     grad_weight.addmm_(grad_logits.t(), hidden_rows)
                 else:
                     grad_weight += grad_logits.t() @ hidden_rows
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
-        if grad_bias is not None:
-            grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return loss_sum
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        scale = grad_output.float()
+        grads = tuple(
+            None if grad is None else (grad * scale).to(dtype) for grad, dtype in zip(ctx.saved_tensors, ctx.dtypes)
+        )
+        return (*grads, None, None, None, None, None)
 
 
 def chunked_cross_entropy(
@@ -182,7 +182,8 @@ def chunked_cross_entropy(
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` without materialising the [N, V] logits.
 
     Equal to ``cross_entropy(F.linear(hidden, weight, bias), targets, num_items, softcap)`` in value and
-    gradients, with logits computed ``chunk_size`` trainable rows at a time (recomputed in backward).
+    gradients, with logits computed ``chunk_size`` trainable rows at a time (with their gradients, when
+    autograd needs them).
 
     Args:
         hidden: [N, H] final hidden states (after the final norm), any floating dtype.
@@ -228,13 +229,15 @@ def chunked_cross_entropy(
     device_type = hidden.device.type
     compute_dtype = active_autocast_dtype(device_type)
     if compute_dtype is not None:
-        # Autocast is off inside a custom backward: cast once here (differentiably) so forward and the
-        # recomputation in backward use the same logits dtype, as plain F.linear under autocast would.
+        # Cast once here (differentiably) and run the function with autocast off, so that the logits and
+        # their gradients are computed in the autocast dtype, as plain F.linear under autocast would.
         hidden, weight = hidden.to(compute_dtype), weight.to(compute_dtype)
         bias = bias.to(compute_dtype) if bias is not None else None
+    grad_enabled = torch.is_grad_enabled()
+    needs_grad = tuple(grad_enabled and t is not None and t.requires_grad for t in (hidden, weight, bias))
     autocast_off = torch.autocast(device_type, enabled=False) if compute_dtype else contextlib.nullcontext()
     with autocast_off:
         loss_sum = _ChunkedCrossEntropySum.apply(
-            hidden, weight, bias, kept_rows, targets.index_select(0, kept_rows), chunk_size, softcap
+            hidden, weight, bias, kept_rows, targets.index_select(0, kept_rows), chunk_size, softcap, needs_grad
         )
     return _normalise(loss_sum, num_items, kept_rows.shape[0])
