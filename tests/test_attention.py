@@ -107,3 +107,25 @@ def test_no_dense_mask_is_built_for_a_packed_row() -> None:
     length = sum(DOCUMENT_LENGTHS)
     assert masks["sdpa"].shape[-2:] == (length, length)  # what sdpa builds: L x L, quadratic in the row
     assert masks[SDPA_BY_DOCUMENT] is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bf16_packed_row_and_gradients_match_sdpa() -> None:
+    """On a GPU SDPA may pick its flash kernel per document; sdpa has to mask a dense row instead."""
+    results = {}
+    for attention in ("sdpa", SDPA_BY_DOCUMENT):
+        model = build_model(attention, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+        model = model.to("cuda", torch.bfloat16).train()
+        batch = PaddingFreeCollator(pad_to_multiple_of=64)(
+            [{"input_ids": torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n))} for n in (700, 90, 333)]
+        )
+        batch = {key: value.cuda() if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
+        extra = {"cu_seq_lens_q": batch["cu_seq_lens_q"].cpu()} if attention == SDPA_BY_DOCUMENT else {}
+        logits = model(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False, **extra
+        ).logits.float()
+        logits.square().mean().backward()
+        results[attention] = (logits.detach(), model.model.layers[0].self_attn.q_proj.weight.grad.float())
+    torch.testing.assert_close(results[SDPA_BY_DOCUMENT][0], results["sdpa"][0], atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(results[SDPA_BY_DOCUMENT][1], results["sdpa"][1], atol=3e-2, rtol=5e-2)
