@@ -10,9 +10,11 @@ document blocks cost nothing, and SDPA may pick its flash or memory-efficient ke
 come from ``cu_seq_lens_q`` (``CausalLMModule`` passes the collator's, copied to the CPU once per forward)
 or else from the restarts of ``position_ids`` (one device sync per layer).
 
-Any call with an attention mask (padded batches), or with a KV cache (generation, where queries and keys
-differ in length), is handed to transformers' own ``sdpa`` unchanged. Registered with transformers when
-``lit_memtrain`` is imported.
+Only plain causal attention is split by document. Anything else gets transformers' sdpa mask and is handed
+to transformers' own ``sdpa`` unchanged: padded batches, generation with a KV cache, sliding-window,
+chunked or bidirectional attention, custom mask functions. Models that need extra attention arguments
+(``softcap``, attention sinks) are refused. Registered with transformers when ``lit_memtrain`` is
+imported.
 
 Usage::
 
@@ -36,7 +38,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 SDPA_BY_DOCUMENT = "sdpa_by_document"
 
-_UNSUPPORTED_KWARGS = ("sliding_window", "softcap", "s_aux")
+_UNSUPPORTED_KWARGS = ("softcap", "s_aux")
 
 
 def sdpa_by_document(
@@ -50,10 +52,8 @@ def sdpa_by_document(
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """Causal attention within each document of each row; ``query`` is [B, heads, L, head_dim]."""
-    queries, keys = query.shape[2], key.shape[2]
-    if attention_mask is None and 1 < queries < keys:  # new tokens after a KV cache see it all, and causally each other
-        attention_mask = torch.ones(queries, keys, dtype=torch.bool, device=query.device).tril(keys - queries)
-    if attention_mask is not None or queries != keys:
+    causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
+    if attention_mask is not None or query.shape[2] != key.shape[2] or not causal:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
@@ -107,9 +107,9 @@ def _document_bounds(query: Tensor, kwargs: dict[str, Any]) -> list[list[int]]:
     cu_seq_lens = kwargs.get("cu_seq_lens_q")
     if cu_seq_lens is not None:
         bounds = cu_seq_lens.tolist()
-        if batch != 1 or bounds[0] != 0 or bounds[-1] != length:
+        if batch != 1 or bounds[0] != 0 or bounds[-1] != length or any(b < a for a, b in pairwise(bounds)):
             raise ValueError(
-                f"cu_seq_lens_q must describe one flattened row of {length} tokens (from 0 to {length}), got "
+                f"cu_seq_lens_q must rise from 0 to {length} over one flattened row of {length} tokens, got "
                 f"{bounds[:4]}...{bounds[-1:]} for a batch of {batch} row(s); build padding-free batches with "
                 "PaddingFreeCollator."
             )
@@ -117,20 +117,32 @@ def _document_bounds(query: Tensor, kwargs: dict[str, Any]) -> list[list[int]]:
     position_ids = kwargs.get("position_ids")
     if position_ids is None:
         return [[0, length]] * batch
-    starts = position_ids.expand(batch, length) == 0
-    starts[:, 0] = True
+    starts = torch.ones(batch, length, dtype=torch.bool, device=position_ids.device)
+    starts[:, 1:] = position_ids.expand(batch, length).diff(dim=-1) != 1  # where transformers splits, too
     bounds: list[list[int]] = [[] for _ in range(batch)]
     for row, start in torch.nonzero(starts).tolist():
         bounds[row].append(start)
     return [row + [length] for row in bounds]
 
 
-def _mask_only_for_padding(*args: Any, attention_mask: Tensor | None = None, **kwargs: Any) -> Tensor | None:
-    """No mask unless the batch has a padding mask: documents are kept apart by ``sdpa_by_document``."""
-    if attention_mask is None:
+def _mask_unless_plain_causal(*args: Any, attention_mask: Tensor | None = None, **kwargs: Any) -> Tensor | None:
+    """No mask for plain causal attention over whole rows (``sdpa_by_document`` splits them into documents);
+    transformers' sdpa mask for anything else: padding, a KV cache, sliding windows, chunked or
+    bidirectional attention, custom mask functions. Arguments this cannot recognise also get the sdpa mask,
+    which is always correct."""
+    plain_causal = (
+        attention_mask is None
+        and kwargs.get("local_size") is None
+        and not kwargs.get("use_vmap", False)
+        and "allow_is_bidirectional_skip" not in kwargs
+        and "q_length" in kwargs
+        and kwargs["q_length"] == kwargs.get("kv_length")
+        and not kwargs.get("q_offset") and not kwargs.get("kv_offset")
+    )
+    if plain_causal:
         return None
     return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
 
 
 AttentionInterface.register(SDPA_BY_DOCUMENT, sdpa_by_document)
-AttentionMaskInterface.register(SDPA_BY_DOCUMENT, _mask_only_for_padding)
+AttentionMaskInterface.register(SDPA_BY_DOCUMENT, _mask_unless_plain_causal)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, StaticCache
 
 from lit_memtrain import CausalLMModule
-from lit_memtrain.attention import SDPA_BY_DOCUMENT
+from lit_memtrain.attention import SDPA_BY_DOCUMENT, sdpa_by_document
 from lit_memtrain.datamodules.padding_free import PaddingFreeCollator
 from lit_memtrain.presets import build_config
 
@@ -65,6 +65,11 @@ def test_padded_batches_and_generation_match_sdpa() -> None:
         full = reference(input_ids=input_ids, use_cache=False).logits[:, 4:]
     torch.testing.assert_close(step, full, atol=1e-5, rtol=0)
 
+    with torch.no_grad():  # a static cache has more key slots than tokens so far
+        cache = StaticCache(config=ours.config, max_cache_len=16)
+        prefilled = ours(input_ids=input_ids, past_key_values=cache, use_cache=True).logits
+    torch.testing.assert_close(prefilled, reference(input_ids=input_ids, use_cache=False).logits, atol=1e-5, rtol=0)
+
 
 def test_module_trains_packed_rows_like_sdpa() -> None:
     losses, gradients = {}, {}
@@ -82,14 +87,47 @@ def test_module_trains_packed_rows_like_sdpa() -> None:
     torch.testing.assert_close(gradients[SDPA_BY_DOCUMENT], gradients["sdpa"], atol=1e-6, rtol=0)
 
 
-def test_unsupported_model_features_are_refused() -> None:
-    model = build_model(SDPA_BY_DOCUMENT, use_sliding_window=True, sliding_window=4, max_window_layers=0)
-    with pytest.raises(ValueError, match="'sdpa_by_document' does not support sliding_window"):
-        model(input_ids=torch.zeros(1, 6, dtype=torch.long), use_cache=False)
-    with pytest.raises(ValueError, match="cu_seq_lens_q must describe one flattened row of 6 tokens"):
-        build_model(SDPA_BY_DOCUMENT)(
-            input_ids=torch.zeros(1, 6, dtype=torch.long), cu_seq_lens_q=torch.tensor([0, 4]), use_cache=False
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 0},  # sliding-window layers
+        {"is_causal": False},  # bidirectional
+    ],
+)
+def test_attention_other_than_plain_causal_is_left_to_sdpa(overrides: dict) -> None:
+    ours, reference = build_model(SDPA_BY_DOCUMENT, **overrides), build_model("sdpa", **overrides)
+    batch = PaddingFreeCollator()(documents(ours.config.vocab_size))
+    with torch.no_grad():
+        for position_ids in (batch["position_ids"], None):
+            torch.testing.assert_close(
+                ours(input_ids=batch["input_ids"], position_ids=position_ids, use_cache=False).logits,
+                reference(input_ids=batch["input_ids"], position_ids=position_ids, use_cache=False).logits,
+                atol=1e-5,
+                rtol=0,
+            )
+
+
+def test_documents_start_wherever_positions_do_not_continue() -> None:
+    ours, reference = build_model(SDPA_BY_DOCUMENT), build_model("sdpa")
+    input_ids = torch.randint(0, ours.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(3))
+    position_ids = torch.tensor([[0, 1, 2, 3, 100, 101, 102, 103, 104, 105], [5, 6, 7, 0, 1, 2, 3, 4, 0, 1]])
+    with torch.no_grad():
+        torch.testing.assert_close(
+            ours(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits,
+            reference(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits,
+            atol=1e-5,
+            rtol=0,
         )
+
+
+def test_unsupported_arguments_and_bad_bounds_are_refused() -> None:
+    model = build_model(SDPA_BY_DOCUMENT)
+    query = torch.zeros(1, 4, 6, 16)
+    with pytest.raises(ValueError, match="'sdpa_by_document' does not support softcap"):
+        sdpa_by_document(model.model.layers[0].self_attn, query, query, query, None, softcap=30.0)
+    for bounds in ([0, 4], [0, 5, 3, 6]):
+        with pytest.raises(ValueError, match="cu_seq_lens_q must rise from 0 to 6 over one flattened row of 6"):
+            model(input_ids=torch.zeros(1, 6, dtype=torch.long), cu_seq_lens_q=torch.tensor(bounds), use_cache=False)
 
 
 def test_no_dense_mask_is_built_for_a_packed_row() -> None:
