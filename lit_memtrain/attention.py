@@ -85,11 +85,17 @@ def _attend_row(
             dropout,
         )
         for start, stop in pairwise(bounds)
+        if stop > start
     ]
     return torch.cat(documents, dim=2)
 
 
 def _causal_sdpa(query: Tensor, key: Tensor, value: Tensor, scaling: float | None, dropout: float) -> Tensor:
+    """SDPA's fused kernels take grouped key/value heads (``enable_gqa``) up to head_dim 256 only; beyond
+    that, repeating the heads keeps them off the O(L^2)-memory math kernel."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1 and not key.shape[-1] == value.shape[-1] <= 256:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     return F.scaled_dot_product_attention(
         query,
         key,

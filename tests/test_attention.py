@@ -167,3 +167,14 @@ def test_cuda_bf16_packed_row_and_gradients_match_sdpa() -> None:
         results[attention] = (logits.detach(), model.model.layers[0].self_attn.q_proj.weight.grad.float())
     torch.testing.assert_close(results[SDPA_BY_DOCUMENT][0], results["sdpa"][0], atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(results[SDPA_BY_DOCUMENT][1], results["sdpa"][1], atol=3e-2, rtol=5e-2)
+
+
+def test_grouped_heads_wider_than_256_and_empty_documents() -> None:
+    model = build_model(SDPA_BY_DOCUMENT, head_dim=288, num_attention_heads=4, num_key_value_heads=2)
+    reference = build_model("sdpa", head_dim=288, num_attention_heads=4, num_key_value_heads=2)
+    batch = PaddingFreeCollator()(documents(model.config.vocab_size))
+    bounds = torch.tensor([0, 5, 5, 8, 15])  # the second document is empty
+    with torch.no_grad():
+        ours = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], cu_seq_lens_q=bounds, use_cache=False)
+        theirs = reference(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+    torch.testing.assert_close(ours.logits, theirs.logits, atol=1e-5, rtol=0)

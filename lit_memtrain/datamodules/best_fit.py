@@ -27,6 +27,17 @@ def best_fit_decreasing(sizes: np.ndarray, capacity: int) -> tuple[np.ndarray, n
     Returns ``(order, row_offsets)``: item indices in output order (rows in the order they were
     opened, items within a row in the order they were placed) and where each row starts.
     """
+    sizes = np.asarray(sizes)
+    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
+        raise ValueError(f"capacity must be an integer >= 1, got {capacity!r}.")
+    if sizes.ndim != 1 or not (np.issubdtype(sizes.dtype, np.integer) or sizes.size == 0):
+        raise ValueError(f"sizes must be a 1-D array of integers, got shape {sizes.shape} and dtype {sizes.dtype}.")
+    sizes = sizes.astype(np.int64)
+    if sizes.size and not 1 <= sizes.min() <= sizes.max() <= capacity:
+        raise ValueError(
+            f"every size must be in [1, capacity={capacity}], found sizes from {sizes.min()} to {sizes.max()}; "
+            "drop empty items and cut or truncate the long ones first."
+        )
     by_size = _stable_argsort(capacity - sizes, capacity)
     order, row_offsets = _place_best_fit(sizes[by_size], capacity)
     return by_size[order], row_offsets

@@ -18,8 +18,8 @@ Strategies (the contract of ``trl.pack_dataset``):
 - ``"wrapped"``: concatenate every example and cut blocks of ``max_length`` tokens; the last
   block keeps the remainder. Fast and full, but cuts examples anywhere.
 
-Both compiled parts use numba and are imported only when a plan or a copy is made, so that
-importing the package (and the module, loss and callbacks with it) does not need numba.
+Both compiled parts use numba, imported only when a plan or a copy is made: importing the package
+stays quick, and the module, loss and callbacks run where numba is not installed.
 
 Usage::
 
@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -205,30 +206,32 @@ def _gather_rows(column: pa.ChunkedArray, plan: PackingPlan) -> pa.ChunkedArray:
     """Copy one list column's planned segments, in plan order, into the packed rows.
 
     Fixed-width values without nulls (token ids, labels, masks stored as integers) are copied by
-    ``copy_segments`` in dataset order, one thread per core. Other values (bit-packed booleans,
-    strings, values with nulls) are described as a list-view array (an offset and a size per
-    segment into the values, in any order) and flattened by Arrow in C++. Offsets are read from
-    the array itself, so a sliced or selected dataset packs its own rows only; a column of several
-    chunks is combined first.
+    ``copy_segments`` in dataset order, one thread per core, straight from each Arrow chunk's buffer.
+    Other values (bit-packed booleans, strings, values with nulls) are concatenated and described as a
+    list-view array (an offset and a size per segment, in any order) that Arrow flattens in C++.
+    Offsets are read from the arrays themselves, so a sliced or selected dataset packs its own rows only.
+    The output is split into chunks of fewer than 2**31 values when its type has 32-bit offsets.
     """
-    large = pa.types.is_large_list(column.type)
-    offset_type = pa.int64() if large else pa.int32()
-    list_type = pa.LargeListArray if large else pa.ListArray
+    chunks = [chunk for chunk in column.chunks if len(chunk)]
+    example_chunk = np.repeat(np.arange(len(chunks)), [len(chunk) for chunk in chunks])
+    example_offsets = np.concatenate([np.zeros(0, np.int64), *(c.offsets.to_numpy()[:-1] for c in chunks)])
+    segment_chunks = example_chunk[plan.example]
+    segment_starts = example_offsets[plan.example].astype(np.int64) + plan.start
     token_offsets = np.concatenate(([0], np.cumsum(plan.segment_lengths)))
-    array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
-    segment_starts = array.offsets.to_numpy()[plan.example] + plan.start
-    values = array.values
-    value_type = values.type
-    if pa.types.is_primitive(value_type) and value_type.bit_width in (8, 16, 32, 64) and not values.null_count:
+    value_type = column.type.value_type
+    fixed_width = pa.types.is_primitive(value_type) and value_type.bit_width in (8, 16, 32, 64)
+    if fixed_width and not any(chunk.values.null_count for chunk in chunks):
         from lit_memtrain.datamodules.segment_copy import copy_segments  # numba, imported when used
 
         width = value_type.bit_width // 8
-        source = np.frombuffer(
-            values.buffers()[1], np.dtype(f"u{width}"), count=len(values), offset=values.offset * width
-        )
+        sources = [
+            np.frombuffer(c.values.buffers()[1], f"u{width}", count=len(c.values), offset=c.values.offset * width)
+            for c in chunks
+        ]
         order = plan.source_order
         copied = copy_segments(
-            source,
+            sources,
+            segment_chunks[order],
             segment_starts[order],
             plan.segment_lengths[order],
             token_offsets[:-1][order],
@@ -237,13 +240,37 @@ def _gather_rows(column: pa.ChunkedArray, plan: PackingPlan) -> pa.ChunkedArray:
         )
         flat = pa.Array.from_buffers(value_type, len(copied), [None, pa.py_buffer(copied)])
     else:
-        view_type = pa.LargeListViewArray if large else pa.ListViewArray
-        views = view_type.from_arrays(
-            pa.array(segment_starts, offset_type), pa.array(plan.segment_lengths, offset_type), values
+        first_offsets = np.array([c.offsets[0].as_py() for c in chunks], dtype=np.int64)
+        used = [c.values.slice(first, c.offsets[-1].as_py() - first) for c, first in zip(chunks, first_offsets)]
+        bases = np.concatenate(([0], np.cumsum([len(values) for values in used])))[:-1]
+        views = pa.LargeListViewArray.from_arrays(
+            pa.array(bases[segment_chunks] - first_offsets[segment_chunks] + segment_starts, pa.int64()),
+            pa.array(plan.segment_lengths, pa.int64()),
+            pa.concat_arrays(used) if used else pa.array([], value_type),
         )
         flat = views.flatten()
-    row_offsets = pa.array(token_offsets[plan.row_offsets], offset_type)
-    return pa.chunked_array([list_type.from_arrays(row_offsets, flat)], column.type)
+    return _split_into_list_chunks(flat, token_offsets[plan.row_offsets], column.type)
+
+
+def _split_into_list_chunks(
+    flat: pa.Array, row_offsets: np.ndarray, list_type: pa.DataType, max_values: int | None = None
+) -> pa.ChunkedArray:
+    """Rows ``flat[row_offsets[r]:row_offsets[r + 1]]`` as a list column, in chunks of at most ``max_values``
+    values (by default as many as the type's offsets can address: 2**31 - 1 for ``list``)."""
+    large = pa.types.is_large_list(list_type)
+    limit = max_values or np.iinfo(np.int64 if large else np.int32).max
+    cuts = [0]
+    while row_offsets[-1] - row_offsets[cuts[-1]] > limit:
+        cuts.append(int(np.searchsorted(row_offsets, row_offsets[cuts[-1]] + limit, side="right")) - 1)
+    cuts.append(len(row_offsets) - 1)
+    array_type = pa.LargeListArray if large else pa.ListArray
+    offset_type = pa.int64() if large else pa.int32()
+    pieces = []
+    for first, last in pairwise(cuts):
+        offsets = row_offsets[first : last + 1] - row_offsets[first]
+        values = flat.slice(int(row_offsets[first]), int(offsets[-1]))
+        pieces.append(array_type.from_arrays(pa.array(offsets, offset_type), values, type=list_type))
+    return pa.chunked_array(pieces, list_type)
 
 
 _TOKENS_PER_COPY_WORKER = 4_000_000
@@ -251,7 +278,8 @@ _TOKENS_PER_COPY_WORKER = 4_000_000
 
 def _copy_workers(num_tokens: int) -> int:
     """Threads for the copy: one per core, but none for small copies where threads cost more than they save."""
-    return max(1, min(os.cpu_count() or 1, 8, num_tokens // _TOKENS_PER_COPY_WORKER))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, 8, num_tokens // _TOKENS_PER_COPY_WORKER))
 
 
 def _list_lengths(column: pa.ChunkedArray) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""copy_segments: every segment lands where it was sent, for any fixed-width dtype and any split."""
+"""copy_segments: every segment lands where it was sent, for any fixed-width dtype, source and split."""
 
 from __future__ import annotations
 
@@ -23,18 +23,33 @@ def random_segments(rng: np.random.Generator, source_size: int, count: int) -> t
 @pytest.mark.parametrize("workers", [1, 3])
 def test_each_segment_is_copied_to_its_destination(dtype: type, workers: int) -> None:
     rng = np.random.default_rng(0)
-    source = rng.integers(-100, 100, size=5000).astype(dtype)
-    starts, lengths, destination_starts = random_segments(rng, len(source), 200)
-    copied = copy_segments(source, starts, lengths, destination_starts, int(lengths.sum()), workers)
-    assert copied.dtype == source.dtype
+    sources = [rng.integers(-100, 100, size=size).astype(dtype) for size in (5000, 3000)]
+    segments = [random_segments(rng, len(source), 100) for source in sources]
+    segment_sources = np.repeat([0, 1], 100)
+    starts = np.concatenate([segment[0] for segment in segments])
+    lengths = np.concatenate([segment[1] for segment in segments])
+    destination_starts = np.concatenate([segments[0][2], segments[1][2] + segments[0][1].sum()])
+    copied = copy_segments(sources, segment_sources, starts, lengths, destination_starts, int(lengths.sum()), workers)
+    assert copied.dtype == np.dtype(dtype)
     expected = np.empty_like(copied)
-    for start, length, to in zip(starts, lengths, destination_starts):
-        expected[to : to + length] = source[start : start + length]
+    for source, start, length, to in zip(segment_sources, starts, lengths, destination_starts):
+        expected[to : to + length] = sources[source][start : start + length]
     np.testing.assert_array_equal(copied, expected)
 
 
 def test_no_segments_and_empty_segments() -> None:
     source = np.arange(10, dtype=np.int32)
-    assert copy_segments(source, np.array([]), np.array([]), np.array([]), 0, workers=2).size == 0
-    copied = copy_segments(source, np.array([2, 5, 9]), np.array([3, 0, 1]), np.array([1, 4, 0]), 4, workers=4)
+    assert copy_segments([source], [], [], [], [], 0, workers=2).size == 0
+    copied = copy_segments([source], [0, 0, 0], [2, 5, 9], [3, 0, 1], [1, 4, 0], 4, workers=4)
     np.testing.assert_array_equal(copied, [9, 2, 3, 4])
+
+
+def test_segments_out_of_bounds_are_refused() -> None:
+    source = np.arange(5, dtype=np.int32)
+    for start, length, to in ((4, 3, 0), (-1, 1, 0), (0, 2, 2), (0, -1, 0)):
+        with pytest.raises(ValueError, match="segment 0 .* is out of bounds"):
+            copy_segments([source], [0], [start], [length], [to], 3)
+    with pytest.raises(ValueError, match="segment_sources must index the 1 sources"):
+        copy_segments([source], [1], [0], [1], [0], 1)
+    with pytest.raises(ValueError, match="sources must share one dtype"):
+        copy_segments([source, source.astype(np.int64)], [0], [0], [1], [0], 1)
