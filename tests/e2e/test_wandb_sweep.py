@@ -39,7 +39,9 @@ def test_sweep_definition_runs_lit_memtrain_fit_for_the_objective_the_base_confi
     assert base["trainer"]["logger"]["class_path"] == "lightning.pytorch.loggers.WandbLogger"
     assert base["trainer"]["logger"]["init_args"]["project"] == SWEEP["project"]
     assert base["trainer"]["callbacks"][-1]["class_path"].endswith("MemoryBoundedThroughput")
-    swept = {"model.learning_rate", "data.packing", "model.loss_chunk_size", "trainer.callbacks+"}
+    swept = {
+        "model.learning_rate", "data.packing", "model.attn_implementation", "model.loss_chunk_size", "trainer.callbacks+"
+    }
     assert set(SWEEP["parameters"]) == swept
 
 
@@ -52,6 +54,7 @@ def test_an_agent_command_parses_to_the_sampled_values(checkpointing, packing, m
     sampled = {
         "model.learning_rate": 3e-05,
         "data.packing": packing,
+        "model.attn_implementation": "sdpa_by_document" if packing else "sdpa",
         "model.loss_chunk_size": 256,
         "trainer.callbacks+": checkpointing,
     }
@@ -66,6 +69,7 @@ def test_an_agent_command_parses_to_the_sampled_values(checkpointing, packing, m
     assert cli.model.hparams.learning_rate == 3e-05
     assert cli.model.hparams.loss_chunk_size == 256
     assert cli.datamodule.packing is packing
+    assert cli.model.hparams.attn_implementation == sampled["model.attn_implementation"]
     callbacks = [c for c in cli.trainer.callbacks if type(c).__module__.startswith("lit_memtrain")]
     assert [type(c) for c in callbacks[:2]] == [MemoryMonitor, MemoryBoundedThroughput]
     if checkpointing == "[]":
@@ -100,7 +104,8 @@ def test_offline_fit_writes_a_local_run_with_config_metrics_memory_and_positiona
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     command = agent_command({
         "model.learning_rate": 0.0003,
-        "data.packing": False,
+        "data.packing": True,
+        "model.attn_implementation": "sdpa_by_document",
         "model.loss_chunk_size": 256,
         "trainer.callbacks+": CHECKPOINTING[1],  # full checkpointing
     })
