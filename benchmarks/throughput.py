@@ -14,6 +14,9 @@ the linear cost, close to Qwen3-0.6B (0.27); at the quickstart's width (128) it 
 and on CPU sdpa a packed row's block-diagonal mask is dense (it skips no work, unlike flash-attn varlen on
 a GPU), so a narrow model would mostly measure that artefact (1.2-1.4x at widths 128-256 in our runs).
 
+With ``--attention sdpa_by_document`` both runs use it: padded batches still go through sdpa (they carry a
+padding mask), packed rows run SDPA once per document and skip the cross-document blocks.
+
 The two configurations:
 
 - ``padded``: ``SFTDataModule(batch_size=8)``, each batch padded to its longest example. This is what a user
@@ -220,12 +223,13 @@ def pad_share(loader: DataLoader) -> float:
     return 1 - tokens / positions
 
 
-def train(dm: SFTDataModule, steps: int, warmup_steps: int, learning_rate: float) -> StepTimer:
+def train(dm: SFTDataModule, steps: int, warmup_steps: int, learning_rate: float, attention: str) -> StepTimer:
     torch.manual_seed(0)
     module = CausalLMModule(
         preset="tiny-qwen3",
         config_overrides=MODEL_OVERRIDES,
         tokenizer=EMBEDDED,
+        attn_implementation=attention,
         learning_rate=learning_rate,
         warmup=0,
         min_lr_ratio=1.0,
@@ -262,6 +266,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (see the docstring)")
+    parser.add_argument("--attention", default="sdpa", choices=["sdpa", "sdpa_by_document"], help="for both runs")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.rounds < 1 or args.token_budget < 1 or args.warmup_steps < 0 or args.threads < 1:
@@ -297,7 +302,8 @@ def main() -> None:
     print(
         f"steps per run (after {args.warmup_steps} warm-up steps): padded {steps['padded'] - args.warmup_steps} "
         f"x {args.padded_batch_size} examples, packed {steps['packed'] - args.warmup_steps} x "
-        f"{args.packed_rows} row(s); torch threads {torch.get_num_threads()}; padded batches' pad share over "
+        f"{args.packed_rows} row(s); attention {args.attention}; torch threads {torch.get_num_threads()}; "
+        "padded batches' pad share over "
         f"a whole epoch {100 * pad_share(configs['padded'].train_dataloader()):.1f}%"
     )
 
@@ -306,7 +312,9 @@ def main() -> None:
     order = list(configs)
     for round_index in range(args.rounds):
         for name in order if round_index % 2 == 0 else order[::-1]:
-            timers[name].append(train(configs[name], steps[name], args.warmup_steps, args.learning_rate))
+            timers[name].append(
+                train(configs[name], steps[name], args.warmup_steps, args.learning_rate, args.attention)
+            )
         padded, packed = timers["padded"][-1], timers["packed"][-1]
         print(
             f"round {round_index + 1}: padded {padded.tokens_per_second(clock):,.0f} tok/s, "
