@@ -4,17 +4,22 @@ Why: for a padding-free row (several documents, ``position_ids`` restarting at e
 ``sdpa`` documents apart by building a dense L x L mask: O(L^2) memory (16 GiB of booleans for one
 128k-token row), a kernel that computes every cross-document block only to mask it out, and on GPUs a
 fallback away from SDPA's flash backend, which takes no mask. Flash-attention's varlen kernels avoid all
-three but need the ``flash-attn`` package, which does not build everywhere. This implementation builds no
-mask for such rows and calls SDPA with ``is_causal=True`` once per document, so memory is O(L), cross-
-document blocks cost nothing, and SDPA may pick its flash or memory-efficient kernel. The document bounds
-come from ``cu_seq_lens_q`` (``CausalLMModule`` passes the collator's, copied to the CPU once per forward)
-or else from the restarts of ``position_ids`` (one device sync per layer).
+three but need the ``flash-attn`` package, which does not build everywhere. This implementation calls SDPA with
+``is_causal=True`` once per document, so memory is O(L), cross-document blocks cost nothing, and SDPA may
+pick its flash or memory-efficient kernel.
+
+Where the documents are: transformers builds one mask per forward (``create_causal_mask``) and hands it to
+every layer. For this implementation that "mask" is, for packed rows, the document index of each token
+(int32, [B, 1, 1, L]: O(L)), found by probing the mask function transformers composed (a token that cannot
+see the one before it starts a document); for unpacked rows it is ``None``. When ``cu_seq_lens_q`` is
+passed (``CausalLMModule`` passes the collator's, copied to the CPU once per forward) the layers read the
+bounds from it rather than from the device, saving a sync per layer.
 
 Only plain causal attention is split by document. Anything else gets transformers' sdpa mask and is handed
 to transformers' own ``sdpa`` unchanged: padded batches, generation with a KV cache, sliding-window,
-chunked or bidirectional attention, custom mask functions. Models that need extra attention arguments
-(``softcap``, attention sinks) are refused. Registered with transformers when ``lit_memtrain`` is
-imported.
+chunked, bidirectional or prefix (blockwise) attention, custom mask functions, and callers that ask for a
+materialised mask. Models that need extra attention arguments (``softcap``, attention sinks) are refused.
+Registered with transformers when ``lit_memtrain`` is imported.
 
 Usage::
 
@@ -52,8 +57,9 @@ def sdpa_by_document(
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """Causal attention within each document of each row; ``query`` is [B, heads, L, head_dim]."""
+    document_ids = attention_mask if _is_document_ids(attention_mask, query) else None
     causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
-    if attention_mask is not None or query.shape[2] != key.shape[2] or not causal:
+    if (attention_mask is not None and document_ids is None) or query.shape[2] != key.shape[2] or not causal:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
@@ -63,7 +69,7 @@ def sdpa_by_document(
             f"attn_implementation={SDPA_BY_DOCUMENT!r} does not support {', '.join(unsupported)} (set by "
             f"{type(module).__name__}); use 'sdpa' or a flash-attention kernel for this model."
         )
-    bounds = _document_bounds(query, kwargs)
+    bounds = _document_bounds(query, document_ids, kwargs.get("cu_seq_lens_q"))
     if all(len(row_bounds) == 2 for row_bounds in bounds):  # one document per row: one call for the batch
         output = _causal_sdpa(query, key, value, scaling, dropout)
     else:
@@ -107,10 +113,9 @@ def _causal_sdpa(query: Tensor, key: Tensor, value: Tensor, scaling: float | Non
     )
 
 
-def _document_bounds(query: Tensor, kwargs: dict[str, Any]) -> list[list[int]]:
+def _document_bounds(query: Tensor, document_ids: Tensor | None, cu_seq_lens: Tensor | None) -> list[list[int]]:
     """Per row, the token offsets where its documents start, followed by the row length."""
     batch, length = query.shape[0], query.shape[2]
-    cu_seq_lens = kwargs.get("cu_seq_lens_q")
     if cu_seq_lens is not None:
         bounds = cu_seq_lens.tolist()
         if batch != 1 or bounds[0] != 0 or bounds[-1] != length or any(b < a for a, b in pairwise(bounds)):
@@ -120,35 +125,67 @@ def _document_bounds(query: Tensor, kwargs: dict[str, Any]) -> list[list[int]]:
                 "PaddingFreeCollator."
             )
         return [bounds]
-    position_ids = kwargs.get("position_ids")
-    if position_ids is None:
+    if document_ids is None:
         return [[0, length]] * batch
-    starts = torch.ones(batch, length, dtype=torch.bool, device=position_ids.device)
-    starts[:, 1:] = position_ids.expand(batch, length).diff(dim=-1) != 1  # where transformers splits, too
+    ids = document_ids.reshape(batch, length)
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
     bounds: list[list[int]] = [[] for _ in range(batch)]
     for row, start in torch.nonzero(starts).tolist():
         bounds[row].append(start)
     return [row + [length] for row in bounds]
 
 
-def _mask_unless_plain_causal(*args: Any, attention_mask: Tensor | None = None, **kwargs: Any) -> Tensor | None:
-    """No mask for plain causal attention over whole rows (``sdpa_by_document`` splits them into documents);
-    transformers' sdpa mask for anything else: padding, a KV cache, sliding windows, chunked or
-    bidirectional attention, custom mask functions. Arguments this cannot recognise also get the sdpa mask,
-    which is always correct."""
-    plain_causal = (
+def _is_document_ids(attention_mask: Tensor | None, query: Tensor) -> bool:
+    """Whether ``attention_mask`` is what ``_mask_or_document_ids`` returns for packed rows (a real mask is
+    bool or float, with a query dimension)."""
+    return (
+        attention_mask is not None
+        and attention_mask.dtype == torch.int32
+        and attention_mask.shape == (query.shape[0], 1, 1, query.shape[2])
+    )
+
+
+def _mask_or_document_ids(*args: Any, attention_mask: Tensor | None = None, **kwargs: Any) -> Tensor | None:
+    """The "mask" ``sdpa_by_document`` gets: ``None`` for plain causal rows, the document index of each token
+    for packed rows, and transformers' sdpa mask for anything else (padding, a KV cache, sliding windows,
+    chunked, bidirectional or blockwise attention, custom mask functions, callers that need a materialised
+    mask). Arguments this cannot recognise also get the sdpa mask, which is always correct."""
+    if not _causal_over_whole_rows(attention_mask, kwargs):
+        return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+    batch, length = kwargs["batch_size"], kwargs["q_length"]
+    rows = torch.arange(batch, device=kwargs.get("device"))[:, None]
+    positions = torch.arange(length - 1, device=kwargs.get("device"))[None, :]
+    mask_function = kwargs["mask_function"]
+    sees_next = torch.as_tensor(mask_function(rows, 0, positions, positions + 1))
+    sees_previous = torch.as_tensor(mask_function(rows, 0, positions + 1, positions)).expand(batch, length - 1)
+    if sees_next.any():  # a blockwise (prefix) overlay: not causal
+        return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+    if sees_previous.all():  # one document per row
+        if kwargs.get("allow_is_causal_skip", True):
+            return None
+        return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)  # the caller asked for a real mask
+    starts = torch.ones(batch, length, dtype=torch.int32, device=sees_previous.device)
+    starts[:, 1:] = (~sees_previous).int()
+    return starts.cumsum(dim=1, dtype=torch.int32).view(batch, 1, 1, length)
+
+
+def _causal_over_whole_rows(attention_mask: Tensor | None, kwargs: dict[str, Any]) -> bool:
+    """No padding, no cache offset, no window, no custom (vmap) or bidirectional mask: causal attention of
+    every token of every row, perhaps cut into documents."""
+    return (
         attention_mask is None
         and kwargs.get("local_size") is None
         and not kwargs.get("use_vmap", False)
         and "allow_is_bidirectional_skip" not in kwargs
-        and "q_length" in kwargs
+        and "mask_function" in kwargs
+        and "batch_size" in kwargs
+        and kwargs.get("q_length", 0) > 1
         and kwargs["q_length"] == kwargs.get("kv_length")
-        and not kwargs.get("q_offset") and not kwargs.get("kv_offset")
+        and not kwargs.get("q_offset")
+        and not kwargs.get("kv_offset")
     )
-    if plain_causal:
-        return None
-    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
 
 
 AttentionInterface.register(SDPA_BY_DOCUMENT, sdpa_by_document)
-AttentionMaskInterface.register(SDPA_BY_DOCUMENT, _mask_unless_plain_causal)
+AttentionMaskInterface.register(SDPA_BY_DOCUMENT, _mask_or_document_ids)

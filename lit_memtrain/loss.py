@@ -110,9 +110,12 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
 
     The gradients are computed in forward, a chunk at a time while that chunk's logits exist anyway, and
     backward only scales them: the logits are computed once rather than again in backward, which takes the
-    LM head from four matmuls per step to three. What is kept for backward is the size of what a recompute
-    would keep (the gradient of ``hidden`` instead of ``hidden``; the weight's gradient, which backward
-    would allocate first thing anyway).
+    LM head from four matmuls per step to three. Kept until backward: the gradient of ``hidden`` (instead of
+    ``hidden`` itself) and those of the weight and bias, in their own dtypes (what a backward that
+    recomputes would allocate first thing). Backward scales them in place and hands them over, so the loss
+    can be backpropagated once: a second backward (``retain_graph``) or a double backward
+    (``create_graph``) raises instead of returning wrong gradients. Several losses computed before one
+    backward each keep a weight gradient until then.
     """
 
     @staticmethod
@@ -157,17 +160,29 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
                     grad_weight.addmm_(grad_logits.t(), hidden_rows)
                 else:
                     grad_weight += grad_logits.t() @ hidden_rows
-        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
-        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        # Held on ctx, not saved for backward: they are results, not inputs, and backward takes them over.
+        ctx.gradients = (
+            grad_hidden,
+            None if grad_weight is None else grad_weight.to(weight.dtype),
+            None if grad_bias is None else grad_bias.to(bias.dtype),
+        )
         return loss_sum
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
-        scale = grad_output.float()
-        grads = tuple(
-            None if grad is None else (grad * scale).to(dtype) for grad, dtype in zip(ctx.saved_tensors, ctx.dtypes)
-        )
-        return (*grads, None, None, None, None, None)
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "chunked_cross_entropy computes its gradients in forward and cannot be differentiated twice "
+                "(create_graph=True); use cross_entropy on full logits for higher-order gradients."
+            )
+        if ctx.gradients is None:
+            raise RuntimeError(
+                "chunked_cross_entropy was already backpropagated: its gradients are computed once, in forward, "
+                "and handed over to the first backward (retain_graph=True cannot reuse them). Compute the loss again."
+            )
+        gradients, ctx.gradients = ctx.gradients, None
+        scaled = tuple(None if grad is None else grad.mul_(grad_output) for grad in gradients)
+        return (*scaled, None, None, None, None, None)
 
 
 def chunked_cross_entropy(

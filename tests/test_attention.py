@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, StaticCache
+from transformers import AutoConfig, AutoModelForCausalLM, StaticCache
 
 from lit_memtrain import CausalLMModule
 from lit_memtrain.attention import SDPA_BY_DOCUMENT, sdpa_by_document
@@ -136,7 +136,7 @@ def test_no_dense_mask_is_built_for_a_packed_row() -> None:
         model = build_model(attention)
         batch = PaddingFreeCollator()(documents(model.config.vocab_size))
 
-        def record(layer, args, kwargs, attention=attention):  # noqa: ANN001
+        def record(layer, args, kwargs, attention=attention):
             masks[attention] = kwargs.get("attention_mask")
 
         model.model.layers[0].register_forward_pre_hook(record, with_kwargs=True)
@@ -144,7 +144,8 @@ def test_no_dense_mask_is_built_for_a_packed_row() -> None:
             model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
     length = sum(DOCUMENT_LENGTHS)
     assert masks["sdpa"].shape[-2:] == (length, length)  # what sdpa builds: L x L, quadratic in the row
-    assert masks[SDPA_BY_DOCUMENT] is None
+    document_ids = [index + 1 for index, n in enumerate(DOCUMENT_LENGTHS) for _ in range(n)]
+    assert masks[SDPA_BY_DOCUMENT].tolist() == [[[document_ids]]]  # ours: the document of each token, O(L)
 
 
 @pytest.mark.gpu
@@ -178,3 +179,50 @@ def test_grouped_heads_wider_than_256_and_empty_documents() -> None:
         ours = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], cu_seq_lens_q=bounds, use_cache=False)
         theirs = reference(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
     torch.testing.assert_close(ours.logits, theirs.logits, atol=1e-5, rtol=0)
+
+
+SMALL = {
+    "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "intermediate_size": 128, "vocab_size": 128, "n_embd": 64, "n_layer": 2, "n_head": 4,
+    "num_local_experts": 2, "num_experts_per_tok": 1,
+}  # fmt: skip
+
+
+def small_pair(model_type: str, **overrides) -> tuple[torch.nn.Module, torch.nn.Module]:
+    models = []
+    for attention in (SDPA_BY_DOCUMENT, "sdpa"):  # a config each: loading sets its attention implementation
+        config = AutoConfig.for_model(model_type, **{**SMALL, **overrides})
+        torch.manual_seed(0)
+        models.append(AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval())
+    assert models[0].config._attn_implementation == SDPA_BY_DOCUMENT
+    return models[0], models[1]
+
+
+@pytest.mark.parametrize("model_type", ["gpt_bigcode", "llama4_text"])
+def test_documents_stay_apart_in_layers_that_never_see_position_ids(model_type: str) -> None:
+    ours, _ = small_pair(model_type, num_hidden_layers=4)
+    first, second = torch.arange(3, 8), torch.arange(10, 17)
+    position_ids = torch.cat([torch.arange(5), torch.arange(7)])[None]
+    with torch.no_grad():
+        packed = ours(input_ids=torch.cat([first, second])[None], position_ids=position_ids, use_cache=False)
+        alone = ours(input_ids=second[None], use_cache=False)
+    torch.testing.assert_close(packed.logits[0, 5:], alone.logits[0], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "overrides", "inputs"),
+    [
+        ("hrm_text", {"prefix_lm": True}, {"token_type_ids": torch.tensor([[1] * 4 + [0] * 6])}),  # prefix overlay
+        ("doge", {}, {}),  # adds its own bias onto a materialised causal mask
+    ],
+)
+def test_masks_that_are_not_plain_causal_reach_sdpa(model_type: str, overrides: dict, inputs: dict) -> None:
+    ours, reference = small_pair(model_type, **overrides)
+    input_ids = torch.randint(3, 100, (1, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            ours(input_ids=input_ids, use_cache=False, **inputs).logits,
+            reference(input_ids=input_ids, use_cache=False, **inputs).logits,
+            atol=1e-5,
+            rtol=0,
+        )

@@ -156,7 +156,7 @@ def test_frozen_head_gets_no_weight_gradient():
     torch.testing.assert_close(grad_hidden, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_saves_no_logits_for_backward():
+def test_keeps_no_logits_for_backward():
     hidden, weight, bias, targets = _inputs()
     saved_shapes = []
 
@@ -165,8 +165,12 @@ def test_saves_no_logits_for_backward():
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        chunked_cross_entropy(hidden, weight, targets, chunk_size=8, bias=bias)
-    assert sorted(saved_shapes) == sorted([(N, H), (V, H), (V,)])  # the gradients of hidden, weight and bias
+        loss = chunked_cross_entropy(hidden, weight, targets, chunk_size=8, bias=bias)
+    node = loss.grad_fn
+    while not hasattr(node, "gradients"):  # past the normalisation, to the chunked function's node
+        node = node.next_functions[0][0]
+    assert saved_shapes == []
+    assert [tuple(grad.shape) for grad in node.gradients] == [(N, H), (V, H), (V,)]  # of hidden, weight, bias
 
 
 def _peak_cpu_bytes(fn) -> int:
@@ -253,3 +257,16 @@ def test_without_grad_the_value_is_the_same_and_no_gradient_is_computed():
     assert not without_grad.requires_grad
     assert count_without_grad == chunks  # the logits of each chunk, nothing else
     assert count_with_grad == 3 * chunks  # and the gradients of hidden and weight, in forward
+
+
+def test_a_second_or_double_backward_is_refused():
+    hidden, weight, bias, targets = _inputs()
+    loss = chunked_cross_entropy(hidden, weight, targets, chunk_size=8, bias=bias)
+    (loss * 2).backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="already backpropagated: its gradients are computed once"):
+        loss.backward()
+
+    upstream = torch.randn(H, H, requires_grad=True)
+    loss = chunked_cross_entropy(hidden.detach() @ upstream, weight, targets, chunk_size=8)
+    with pytest.raises(RuntimeError, match="cannot be differentiated twice"):
+        torch.autograd.grad(loss, upstream, create_graph=True)
