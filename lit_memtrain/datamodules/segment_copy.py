@@ -59,7 +59,7 @@ def copy_segments(
         np.ascontiguousarray(array, dtype=np.int64)
         for array in (segment_sources, source_starts, lengths, destination_starts)
     )
-    _check_segments(sources, segment_sources, source_starts, lengths, destination_starts, size)
+    _check_bounds(sources, (segment_sources, source_starts, lengths, destination_starts), size)
     dtype = sources[0].dtype if sources else np.dtype(np.uint8)
     as_unsigned = np.dtype(f"u{dtype.itemsize}")
     unsigned_sources = [source.view(as_unsigned) for source in sources]
@@ -86,15 +86,9 @@ def copy_segments(
     return destination.view(dtype)
 
 
-def _check_segments(
-    sources: Sequence[np.ndarray],
-    segment_sources: np.ndarray,
-    source_starts: np.ndarray,
-    lengths: np.ndarray,
-    destination_starts: np.ndarray,
-    size: int,
-) -> None:
+def _check_bounds(sources: Sequence[np.ndarray], segments: tuple[np.ndarray, ...], size: int) -> None:
     """Refuse segments outside their source or the destination: the compiled loop does not check bounds."""
+    segment_sources, source_starts, lengths, destination_starts = segments
     if len({source.dtype for source in sources}) > 1:
         raise ValueError(f"sources must share one dtype, got {sorted({str(source.dtype) for source in sources})}.")
     if not len(lengths):
