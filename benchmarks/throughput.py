@@ -234,6 +234,7 @@ def train(dm: SFTDataModule, steps: int, warmup_steps: int, learning_rate: float
         warmup=0,
         min_lr_ratio=1.0,
     )
+    module.configure_model()
     timer = StepTimer(warmup_steps)
     trainer = Trainer(
         accelerator="cpu",

@@ -46,8 +46,8 @@ class LoraSettings:
             raise ValueError(f"quantize must be '4bit', '8bit' or None, got {self.quantize!r}.")
 
 
-def quantization_config(settings: LoraSettings, compute_dtype: torch.dtype):
-    """A ``BitsAndBytesConfig`` for QLoRA, after checking that CUDA and bitsandbytes are there."""
+def check_quantization_available(settings: LoraSettings) -> None:
+    """Raise a clear error when QLoRA cannot run here (no CUDA, or no bitsandbytes)."""
     if not torch.cuda.is_available():
         raise RuntimeError(
             f"lora.quantize={settings.quantize!r} (QLoRA) needs a CUDA GPU: bitsandbytes quantized weights do not "
@@ -55,6 +55,11 @@ def quantization_config(settings: LoraSettings, compute_dtype: torch.dtype):
         )
     if importlib.util.find_spec("bitsandbytes") is None:
         raise RuntimeError("QLoRA needs bitsandbytes: pip install 'lit-memtrain[quant]'.")
+
+
+def quantization_config(settings: LoraSettings, compute_dtype: torch.dtype):
+    """A ``BitsAndBytesConfig`` for QLoRA, after checking that CUDA and bitsandbytes are there."""
+    check_quantization_available(settings)
     from transformers import BitsAndBytesConfig
 
     if settings.quantize == "4bit":

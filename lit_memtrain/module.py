@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -24,14 +23,12 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torchmetrics import MeanMetric
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from lit_memtrain.attention import SDPA_BY_DOCUMENT
-from lit_memtrain.lora import LoraSettings, apply_lora, head_weight, merged_copy, quantization_config
+from lit_memtrain.lora import LoraSettings, apply_lora, head_weight
 from lit_memtrain.loss import IGNORE_INDEX, chunked_cross_entropy, cross_entropy
-from lit_memtrain.presets import build_config
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from lit_memtrain.model_builder import ModelRecipe, build_causal_lm, check_tokenizer_fits_model, export_hf_directory
 _BATCH_ONLY_KEYS = ("labels", "num_trainable_tokens", "num_tokens", "seq_lengths")
 _VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 _DOCUMENT_AWARE_ATTENTION = frozenset({"eager", "sdpa", "flex_attention", SDPA_BY_DOCUMENT})
@@ -85,13 +82,18 @@ class CausalLMModule(LightningModule):
         warmup: warmup steps (int) or fraction of the total steps (float < 1), then cosine decay
             to ``min_lr_ratio * learning_rate``.
 
-    Loss normalisation: every optimizer step trains on the mean loss of all its trainable target tokens,
-    across gradient-accumulation micro-batches and DDP ranks, so each token weighs the same however the
-    tokens fall into micro-batches (``train/loss`` shows each micro-batch's own mean).
         lora: train a LoRA adapter instead of all weights (:class:`~lit_memtrain.lora.LoraSettings`);
             with ``quantize`` the base is loaded in 4 or 8 bits (QLoRA, CUDA only). When the base comes from
             ``model``, checkpoints hold only the adapter.
         export_dir: at the end of fit, write a Hugging Face directory (model + tokenizer, adapter merged) here.
+        trust_remote_code: passed to ``from_pretrained`` / ``from_config``.
+
+    Loss normalisation: every optimizer step trains on the mean loss of all its trainable target tokens,
+    across gradient-accumulation micro-batches and DDP ranks, so each token weighs the same however the
+    tokens fall into micro-batches (``train/loss`` shows each micro-batch's own mean).
+
+    The model is built in :meth:`configure_model`, which Lightning calls inside the strategy's device context
+    (directly on the training device); outside a ``Trainer``, call ``module.configure_model()`` first.
 
     Example:
         >>> module = CausalLMModule(preset="tiny-qwen3", tokenizer="lit-memtrain/embedded")
@@ -121,14 +123,19 @@ class CausalLMModule(LightningModule):
         trust_remote_code: bool = False,
     ) -> None:
         super().__init__()
-        sources = [name for name, value in (("model", model), ("preset", preset), ("config", config)) if value]
-        if len(sources) != 1:
-            raise ValueError(
-                f"Give exactly one of model (hub id or path), preset (one of lit_memtrain.PRESETS) or config "
-                f"(a dict with model_type); got {sources or 'none'}."
-            )
-        if dtype != "auto" and dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {[*_DTYPES, 'auto']}, got {dtype!r}.")
+        if isinstance(lora, dict):  # hyper-parameters saved by LightningCLI or a checkpoint hold plain dicts
+            lora = LoraSettings(**lora)
+        self.recipe = ModelRecipe(
+            model=model,
+            preset=preset,
+            config=config,
+            config_overrides=config_overrides,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            model_init_kwargs=dict(model_init_kwargs or {}),
+            trust_remote_code=trust_remote_code,
+            lora=lora,
+        )
         if loss_type not in ("chunked", "nll"):
             raise ValueError(f"loss_type must be 'chunked' or 'nll', got {loss_type!r}.")
         if loss_chunk_size < 1:
@@ -136,20 +143,12 @@ class CausalLMModule(LightningModule):
         if warmup < 0 or not 0 <= min_lr_ratio <= 1:
             raise ValueError(f"warmup must be >= 0 and min_lr_ratio in [0, 1]; got {warmup} and {min_lr_ratio}.")
         _check_attn_implementation(attn_implementation)
-        if isinstance(lora, dict):  # hyper-parameters saved by LightningCLI or a checkpoint hold plain dicts
-            lora = LoraSettings(**lora)
         self.lora = lora
-        if lora is not None and lora.quantize and not model:
-            raise ValueError("QLoRA (lora.quantize) quantizes a checkpoint while loading it: give model=<hub id or path>.")
         self.save_hyperparameters()
         from lit_memtrain.tokenizer import load_tokenizer
 
         self.tokenizer = load_tokenizer(tokenizer) if tokenizer else None
-        self.model: PreTrainedModel = self._build_model()
-        self._check_tokenizer_fits_model()
-        if lora is not None:
-            self.model = apply_lora(self.model, lora)
-        self.model.train()  # from_pretrained returns eval mode, which Lightning would keep through fit
+        self.model: PreTrainedModel | None = None
         self.adapter_only_checkpoints = lora is not None and bool(model)
         self.strict_loading = not self.adapter_only_checkpoints
         self.train_tokens_seen = 0
@@ -161,47 +160,19 @@ class CausalLMModule(LightningModule):
         self.val_token_nll = MeanMetric()
         self.val_token_accuracy = MeanMetric()
 
-    def _build_model(self) -> PreTrainedModel:
-        hp = self.hparams
-        init_kwargs = dict(hp.model_init_kwargs or {})
-        dtype = "auto" if hp.dtype == "auto" else _DTYPES[hp.dtype]
-        common = {"attn_implementation": hp.attn_implementation, "trust_remote_code": hp.trust_remote_code}
-        if hp.model:
-            if self.lora is not None and self.lora.quantize:
-                compute_dtype = torch.bfloat16 if dtype in ("auto", torch.float32) else dtype
-                init_kwargs["quantization_config"] = quantization_config(self.lora, compute_dtype)
-                # Quantized weights load straight onto a GPU: this process's own, not always cuda:0 under DDP.
-                init_kwargs.setdefault("device_map", {"": int(os.environ.get("LOCAL_RANK", 0))})
-            return AutoModelForCausalLM.from_pretrained(hp.model, dtype=dtype, **common, **init_kwargs)
-        overrides = dict(hp.config_overrides or {})
-        if self.tokenizer is not None:
-            overrides.setdefault("vocab_size", len(self.tokenizer))
-            for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
-                overrides.setdefault(name, getattr(self.tokenizer, name))
-        overrides.update(init_kwargs)
-        model_config = build_config(hp.preset or hp.config, overrides)
-        return AutoModelForCausalLM.from_config(
-            model_config, dtype=torch.float32 if dtype == "auto" else dtype, **common
-        )
+    def configure_model(self) -> None:
+        """Build the model (and its LoRA adapter) once; Lightning calls this inside the strategy's device context.
 
-    def _check_tokenizer_fits_model(self) -> None:
-        if self.tokenizer is None:
+        Outside a ``Trainer`` (a notebook, a test), call it yourself before using ``module.model``.
+        """
+        if self.model is not None:
             return
-        from lit_memtrain.datamodules.embedded import EMBEDDED
-
-        rows = self.model.get_input_embeddings().num_embeddings
-        if self.hparams.model and self.hparams.tokenizer == EMBEDDED and rows != len(self.tokenizer):
-            raise ValueError(
-                f"model={self.hparams.model!r} ({rows} embedding rows) is paired with the embedded demo tokenizer "
-                f"({len(self.tokenizer)} tokens), which it was not trained with. Give the model's own "
-                f"tokenizer (for example --data.tokenizer={self.hparams.model})."
-            )
-        if len(self.tokenizer) > rows:
-            raise ValueError(
-                f"Tokenizer {self.hparams.tokenizer!r} has {len(self.tokenizer)} tokens but the model's embedding has "
-                f"only {rows} rows, so some token ids would index past it. Use the model's own tokenizer, or a "
-                "vocab_size of at least the tokenizer's length."
-            )
+        model = build_causal_lm(self.recipe, self.tokenizer)
+        if self.tokenizer is not None:
+            check_tokenizer_fits_model(model, self.tokenizer, self.hparams.tokenizer, self.recipe)
+        if self.lora is not None:
+            model = apply_lora(model, self.lora)
+        self.model = model.train()  # from_pretrained returns eval mode, which Lightning would keep through fit
 
     def _model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
         inputs = {k: v for k, v in batch.items() if k not in _BATCH_ONLY_KEYS and k not in _VARLEN_KEYS}
@@ -435,11 +406,4 @@ class CausalLMModule(LightningModule):
 
     def export(self, directory: str | Path) -> Path:
         """Write a Hugging Face directory (model with any adapter merged, and tokenizer) that ``from_pretrained`` loads."""
-        directory = Path(directory)
-        base = None
-        if self.lora is not None and self.lora.quantize:
-            base = AutoModelForCausalLM.from_pretrained(self.hparams.model, dtype=torch.bfloat16)
-        merged_copy(self.model, base).save_pretrained(directory)
-        if self.tokenizer is not None:
-            self.tokenizer.save_pretrained(directory)
-        return directory
+        return export_hf_directory(self.model, self.recipe, directory, self.tokenizer)

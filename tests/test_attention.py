@@ -76,6 +76,7 @@ def test_module_trains_packed_rows_like_sdpa() -> None:
     for attention in ("sdpa", SDPA_BY_DOCUMENT):
         torch.manual_seed(0)
         module = CausalLMModule(preset="tiny-qwen3", config_overrides={"vocab_size": 64}, attn_implementation=attention)
+        module.configure_model()
         batch = PaddingFreeCollator(pad_to_multiple_of=8)(
             [{"input_ids": doc["input_ids"] % 64} for doc in documents(64)]
         )

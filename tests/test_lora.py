@@ -13,7 +13,9 @@ from lit_memtrain.module import CausalLMModule
 def base_dir(tmp_path_factory, tokenizer):
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("base")
-    CausalLMModule(preset="tiny-qwen3", tokenizer="lit-memtrain/embedded").export(path)
+    module = CausalLMModule(preset="tiny-qwen3", tokenizer="lit-memtrain/embedded")
+    module.configure_model()
+    module.export(path)
     return str(path)
 
 
@@ -25,6 +27,7 @@ def _batch(vocab: int) -> dict[str, torch.Tensor]:
 def test_lora_fit_changes_only_adapter_weights_and_export_merges(base_dir, tmp_path):
     lora = LoraSettings(r=4, alpha=8, lm_head=True)
     module = CausalLMModule(model=base_dir, tokenizer="lit-memtrain/embedded", lora=lora, learning_rate=1e-2)
+    module.configure_model()
     before = {n: p.detach().clone() for n, p in module.model.named_parameters()}
     trainer = Trainer(max_steps=3, logger=False, enable_progress_bar=False, default_root_dir=tmp_path)
     trainer.fit(module, datamodule=SFTDataModule(max_length=48, batch_size=4))
@@ -49,8 +52,10 @@ def test_chunked_loss_with_lora_head_matches_plain_loss(base_dir):
     lora = LoraSettings(r=4, alpha=8, lm_head=True)
     torch.manual_seed(0)
     chunked = CausalLMModule(model=base_dir, lora=lora, loss_type="chunked", loss_chunk_size=7)
+    chunked.configure_model()
     torch.manual_seed(0)
     plain = CausalLMModule(model=base_dir, lora=lora, loss_type="nll")
+    plain.configure_model()
     for module in (chunked, plain):  # LoRA B starts at zero: give it values so the head adapter matters
         for name, p in module.model.named_parameters():
             if "lora_B" in name:
@@ -90,6 +95,7 @@ def test_lora_with_every_memory_technique_matches_plain_lora(base_dir):
     for loss_type in ("nll", "chunked"):
         torch.manual_seed(0)
         module = CausalLMModule(model=base_dir, lora=lora, loss_type=loss_type, loss_chunk_size=5)
+        module.configure_model()
         for name, p in module.model.named_parameters():
             if "lora_B" in name:
                 torch.nn.init.normal_(p, generator=torch.Generator().manual_seed(len(name)), std=0.02)

@@ -22,7 +22,9 @@ def _batch(vocab: int, rows: int = 2, length: int = 12, seed: int = 0) -> dict[s
 
 def _module(preset: str = "tiny-qwen3", **kwargs) -> CausalLMModule:
     torch.manual_seed(0)
-    return CausalLMModule(preset=preset, **kwargs)
+    module = CausalLMModule(preset=preset, **kwargs)
+    module.configure_model()
+    return module
 
 
 def test_shift_targets():
@@ -80,7 +82,9 @@ def test_export_reloads_with_identical_logits(tmp_path, tokenizer):
 def test_loads_a_local_pretrained_model_with_yarn_rope(tmp_path):
     _module().model.save_pretrained(tmp_path / "base")
     plain = CausalLMModule(model=str(tmp_path / "base"))
+    plain.configure_model()
     yarn = CausalLMModule(model=str(tmp_path / "base"), model_init_kwargs={"rope_parameters": YARN})
+    yarn.configure_model()
     assert yarn.model.config.rope_parameters["rope_type"] == "yarn"
     assert plain.model.config.rope_parameters["rope_type"] == "default"
     rotary_plain, rotary_yarn = plain.model.model.rotary_emb, yarn.model.model.rotary_emb
@@ -109,7 +113,7 @@ def test_hub_kernel_attention_names_pass_through(monkeypatch):
         return torch.nn.Linear(1, 1)
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_config", fake_from_config)
-    CausalLMModule(preset="tiny-qwen3", attn_implementation="kernels-community/flash-attn")
+    CausalLMModule(preset="tiny-qwen3", attn_implementation="kernels-community/flash-attn").configure_model()
     assert seen["attn_implementation"] == "kernels-community/flash-attn"
 
 
@@ -185,7 +189,7 @@ def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused():
 def test_a_pretrained_model_with_the_demo_tokenizer_is_refused(tmp_path):
     _module().model.save_pretrained(tmp_path / "base")  # 512 rows, not the demo tokenizer's 384
     with pytest.raises(ValueError, match="paired with the embedded demo tokenizer"):
-        CausalLMModule(model=str(tmp_path / "base"), tokenizer="lit-memtrain/embedded")
+        CausalLMModule(model=str(tmp_path / "base"), tokenizer="lit-memtrain/embedded").configure_model()
 
 
 def test_bf16_trainable_weights_warn_about_lost_updates():
@@ -209,6 +213,7 @@ def test_gradient_accumulation_weights_every_token_equally(tmp_path):
     examples = [{"input_ids": [5, 6, 7, 8, 9], "labels": [-100, 6, 7, 8, 9]}, {"input_ids": [3, 4, 5], "labels": [-100, -100, 5]}]
     torch.manual_seed(0)
     module = PlainSGD(preset="tiny-qwen3")
+    module.configure_model()
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
     reference = copy.deepcopy(module)
     full = PaddedCollator(pad_token_id=0)(examples)
@@ -237,6 +242,7 @@ def test_ddp_ranks_with_different_token_counts_train_on_the_global_mean(tmp_path
 
     torch.manual_seed(0)
     module = PerRankData(preset="tiny-qwen3")
+    module.configure_model()
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
     reference = copy.deepcopy(module)
     reference.compute_loss(PaddedCollator(pad_token_id=0)(examples)).backward()

@@ -23,6 +23,7 @@ DOCS = [
 def test_padding_free_loss_and_gradients_equal_per_document_runs(attn, loss_type):
     torch.manual_seed(0)
     module = CausalLMModule(preset="tiny-qwen3", attn_implementation=attn, loss_type=loss_type)
+    module.configure_model()
     flat = PaddingFreeCollator(pad_token_id=0, pad_to_multiple_of=8)(DOCS)
     loss = module.compute_loss(flat)
     loss.backward()
@@ -42,6 +43,7 @@ def test_attention_that_ignores_position_restarts_is_refused():
 
     AttentionInterface.register("ignores_documents", ignores_documents)
     module = CausalLMModule(preset="tiny-qwen3", attn_implementation="ignores_documents")
+    module.configure_model()
     flat = PaddingFreeCollator(pad_token_id=0)(DOCS)
     with pytest.raises(ValueError, match="not known to keep packed documents apart"):
         module.compute_loss(flat)

@@ -34,6 +34,7 @@ def _fit(callback: MemoryBoundedThroughput, lengths: list[int], tmp_path) -> dic
         enable_checkpointing=False,
     )
     module = CausalLMModule(preset="tiny-qwen3")
+    module.configure_model()
     trainer.fit(module, DataLoader(_batches(lengths), batch_size=None))
     with (tmp_path / "metrics.csv").open() as file:
         rows = [row for row in csv.DictReader(file) if row.get("sweep/objective")]

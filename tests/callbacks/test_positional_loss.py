@@ -80,7 +80,9 @@ def _expected(module: CausalLMModule, batches, width: int) -> tuple[list[Positio
 
 def _tiny_module() -> CausalLMModule:
     torch.manual_seed(0)
-    return CausalLMModule(preset="tiny-qwen3", tokenizer="lit-memtrain/embedded")
+    module = CausalLMModule(preset="tiny-qwen3", tokenizer="lit-memtrain/embedded")
+    module.configure_model()
+    return module
 
 
 @pytest.fixture(scope="module")

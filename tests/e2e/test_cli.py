@@ -45,6 +45,7 @@ def test_quickstart_config_parses_and_links_the_tokenizer():
     assert cli.model.hparams.learning_rate == 0.01
     assert cli.model.hparams.tokenizer == cli.datamodule.tokenizer_name == "lit-memtrain/embedded"
     assert cli.datamodule.max_length == 64
+    cli.model.configure_model()
     assert cli.model.model.config.vocab_size == len(cli.datamodule.tokenizer)
 
 
@@ -89,6 +90,7 @@ def test_shipped_configs_parse_with_an_offline_model(name):
     names = [type(c).__name__ for c in cli.trainer.callbacks]
     assert "GradientCheckpointing" in names and "MemoryMonitor" in names
     assert cli.datamodule.packing
+    cli.model.configure_model()
     if name == "long_context":
         assert cli.model.model.config.rope_parameters["rope_type"] == "yarn"
         assert "TiledMLP" in names
