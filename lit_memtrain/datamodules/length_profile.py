@@ -31,8 +31,6 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
-from lit_memtrain.datamodules.packing import plan_packing
-
 PERCENTILES: tuple[int, ...] = (50, 90, 95, 99)
 
 
@@ -214,6 +212,8 @@ def _profile_candidate(lengths: np.ndarray, max_length: int, batch_size: int) ->
     batch_starts = np.arange(0, len(kept), batch_size)
     batch_longest = np.maximum.reduceat(kept, batch_starts)
     batch_sizes = np.diff(np.append(batch_starts, len(kept)))
+    from lit_memtrain.datamodules.packing import plan_packing  # here: packing needs pyarrow, GPU machines may lack it
+
     plan = plan_packing(lengths, max_length, "bfd")
     return CandidateProfile(
         max_length=max_length,
