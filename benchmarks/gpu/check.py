@@ -235,7 +235,8 @@ def render_markdown(report: dict[str, Any]) -> str:
             lines += ["", f"{table['title']}:", ""] + _markdown_table(table["columns"], table["rows"])
         if result.get("checks"):
             lines += ["", "Checks:", ""]
-            lines += [f"- {'passed' if c['passed'] else '**FAILED**'}: {c['name']} ({c['detail']})" for c in result["checks"]]
+            for item in result["checks"]:
+                lines.append(f"- {'passed' if item['passed'] else '**FAILED**'}: {item['name']} ({item['detail']})")
         if part["status"] in ("failed", "timed out") and part.get("output_tail"):
             lines += ["", "Last lines of its output:", "", "```", *part["output_tail"].splitlines()[-25:], "```"]
     return "\n".join(lines) + "\n"
@@ -248,7 +249,8 @@ def write_report(report: dict[str, Any], out_dir: Path) -> None:
 
 def _commit() -> str | None:
     try:
-        result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        command = ["git", "rev-parse", "--short", "HEAD"]
+        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return result.stdout.strip() if result.returncode == 0 else None
@@ -294,7 +296,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", type=Path, help="directory for report.json, report.md, parts/ and logs/")
     parser.add_argument("--dry-run", action="store_true", help="run every part on the CPU with tiny shapes")
     parser.add_argument("--budget-s", type=float, default=450.0, help="seconds for all parts together")
-    parser.add_argument("--only", nargs="+", metavar="PART", choices=[p.name for p in PARTS], help="run only these parts")
+    parser.add_argument(
+        "--only", nargs="+", metavar="PART", choices=[p.name for p in PARTS],
+        help="run only these parts, named as in the report (quote names with spaces)",
+    )
     args = parser.parse_args(argv)
 
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # stop the running part too
@@ -320,8 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(render_markdown(report), flush=True)
     failed = [p["name"] for p in report["parts"] if p["status"] in ("failed", "timed out")]
-    print(f"GPU check: {len(parts) - len(failed)} of {len(parts)} parts passed or skipped"
-          + (f"; failed: {', '.join(failed)}" if failed else "") + f". Report: {args.out_dir / 'report.md'}", flush=True)
+    outcome = f"; failed: {', '.join(failed)}" if failed else ""
+    print(f"GPU check: {len(parts) - len(failed)} of {len(parts)} parts passed or skipped{outcome}. "
+          f"Report: {args.out_dir / 'report.md'}", flush=True)
     return 1 if failed else 0
 
 

@@ -116,7 +116,8 @@ def main() -> None:
     add_arguments(parser)
     args = parser.parse_args()
     if args.dry_run:
-        args.device, args.preset, args.seq_len, args.median_doc, args.layers, args.steps = "cpu", "tiny-qwen3", 512, 60, 2, 1
+        args.device, args.preset, args.seq_len, args.median_doc = "cpu", "tiny-qwen3", 512, 60
+        args.layers, args.steps = 2, 1
     elif args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("benchmarks/gpu/packed_attention.py needs a CUDA GPU and none is available: nothing was measured.")
     device = torch.device(args.device)

@@ -65,7 +65,7 @@ def test_dry_run_without_the_optional_packages_runs_every_part_and_writes_the_re
     bare.mkdir()
     (bare / "sitecustomize.py").write_text(_WITHOUT_PACKAGES.format(absent=ABSENT))
     probe = subprocess.run(
-        [sys.executable, "-c", "import importlib.util as u; import datasets"],
+        [sys.executable, "-c", "import importlib.util; assert importlib.util.find_spec('datasets') is None; import datasets"],
         capture_output=True, text=True, env=_environment(bare), timeout=60,
     )
     assert "No module named 'datasets'" in probe.stderr  # the emulation of a bare machine works
@@ -145,8 +145,9 @@ def test_a_hung_part_is_killed_with_its_children_and_the_others_still_run(check_
             raise ModuleNotFoundError("No module named 'datasets'", name="datasets")
             """)), limit_s=30),
         Part("fails a check", str(_part_script(tmp_path, "fails_a_check", """
-            result = {"summary": "ratio 0.5x", "tables": [{"title": "t", "columns": ["a", "ratio"], "rows": [["x", 0.5]]}],
-                      "checks": [{"name": "ratio above 1", "passed": False, "detail": "0.5"}], "config": {}}
+            result = {"summary": "ratio 0.5x", "config": {},
+                      "tables": [{"title": "t", "columns": ["a", "ratio"], "rows": [["x", 0.5]]}],
+                      "checks": [{"name": "ratio above 1", "passed": False, "detail": "0.5"}]}
             open(JSON, "w").write(json.dumps(result))
             sys.exit(1)
             """)), limit_s=30),
