@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from matplotlib.figure import Figure
 
 PERCENTILES: tuple[int, ...] = (50, 90, 95, 99)
 
@@ -182,6 +181,8 @@ def write_histogram(
         if isinstance(report_or_lengths, LengthProfile)
         else profile_lengths(report_or_lengths)
     )
+    from matplotlib.figure import Figure  # here: GPU machines may lack matplotlib, and only plots need it
+
     path = Path(path)
     figure = Figure(figsize=(8, 4.5), layout="constrained")
     axes = figure.subplots()
