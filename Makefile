@@ -7,8 +7,12 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.lit-memtrain-installed
 PYTEST_ARGS ?=
+# gpu-check: the GPU machine may have no .venv; then it uses its own python, with what it has installed.
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+OUT ?= gpu-check
+GPU_CHECK_ARGS ?=
 
-.PHONY: install quickstart test bench clean
+.PHONY: install quickstart test bench gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +35,14 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install -e '.[test,bench]'
 	$(PY) benchmarks/packing.py
+
+# Every GPU claim in under 8 minutes on one CUDA GPU; report in $(OUT)/report.md (see docs/benchmarks.md).
+# Installs this package without dependencies and without the network if it is not importable yet.
+gpu-check:
+	@$(GPU_PYTHON) -I -c "import lit_memtrain" 2>/dev/null \
+		|| $(GPU_PYTHON) -m pip install --quiet --no-deps --no-build-isolation --no-index -e . \
+		|| echo "gpu-check: 'pip install --no-deps -e .' failed; the check runs from the source tree"
+	$(GPU_PYTHON) benchmarks/gpu/check.py $(OUT) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf outputs lightning_logs wandb .pytest_cache

@@ -12,17 +12,21 @@ step, in the same process, on the same weights and tokens:
 Printed per setting: peak allocated memory (``torch.cuda.max_memory_allocated``), the part of it above the
 memory held before the step (weights), median step time, bytes offloaded, and ratios against the
 reference; plus the largest relative gradient difference against the reference (offloading must not change
-the gradients). Needs only torch and transformers.
+the gradients). Checked (exit status 1 when one fails, for ``check.py``): the gradients agree; on a GPU,
+offloaded checkpoints and offloading without checkpointing lower the peak, and the allocator runs with
+expandable segments. Needs only torch and transformers.
 
 Run from the repository root (about 1-2 minutes on one H200)::
 
     PYTHONPATH=. python benchmarks/gpu/offload.py
     PYTHONPATH=. python benchmarks/gpu/offload.py --seq-len 65536 --layers 8
+    PYTHONPATH=. python benchmarks/gpu/offload.py --dry-run  # tiny model on the CPU, host copies included
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -39,17 +43,35 @@ from lit_memtrain.layers import find_decoder_layers  # noqa: E402
 from lit_memtrain.loss import chunked_cross_entropy  # noqa: E402
 from lit_memtrain.offload import ActivationOffloader  # noqa: E402
 from lit_memtrain.presets import build_config  # noqa: E402
+from results import add_arguments, check, table, write  # noqa: E402
 
 GIB = 2**30
+# Offloading copies tensors and back: gradients differ only by the GPU's non-deterministic kernels (bf16).
+GRADIENT_TOLERANCE = {"cuda": 1e-2, "cpu": 1e-6}
 
 
-def build_model(layers: int) -> torch.nn.Module:
-    config = build_config("qwen3-4b", {"num_hidden_layers": layers})
+def build_model(preset: str, layers: int, device: torch.device) -> torch.nn.Module:
+    config = build_config(preset, {"num_hidden_layers": layers})
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with device:
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     model.train()
     return model
+
+
+def offloader_for(model: torch.nn.Module, **kwargs) -> ActivationOffloader:
+    """On the CPU (dry run) the host copies are made anyway, so the whole offloading path runs."""
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    return ActivationOffloader(model, offload_cpu_tensors_for_testing=on_cpu, **kwargs)
+
+
+def expandable_segments_in_use() -> bool | None:
+    """Whether every segment of the caching allocator is expandable; ``None`` if torch does not say."""
+    segments = torch.cuda.memory_snapshot()
+    if not segments or "is_expandable" not in segments[0]:
+        return None
+    return all(segment["is_expandable"] for segment in segments)
 
 
 def step(model: torch.nn.Module, input_ids: torch.Tensor, offloader: ActivationOffloader | None) -> None:
@@ -70,19 +92,22 @@ def step(model: torch.nn.Module, input_ids: torch.Tensor, offloader: ActivationO
 
 
 def measure(model, input_ids, offloader, steps: int) -> dict[str, float]:
+    cuda = input_ids.is_cuda
     step(model, input_ids, offloader)  # warm-up: kernels, pinned-memory cache, allocator segments
     times, peaks, above = [], [], []
     for _ in range(steps):
         model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
+        if cuda:
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         step(model, input_ids, offloader)
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-        peaks.append(torch.cuda.max_memory_allocated())
-        above.append(peaks[-1] - before)
+        peaks.append(torch.cuda.max_memory_allocated() if cuda else math.nan)
+        above.append(peaks[-1] - before if cuda else math.nan)
     return {
         "peak": max(peaks) / GIB,
         "above_weights": max(above) / GIB,
@@ -106,20 +131,26 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--stash", type=int, default=1, help="max_fwd_stash_size with checkpointing")
+    add_arguments(parser)
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    preset, device = "qwen3-4b", torch.device("cuda")
+    if args.dry_run:
+        preset, device = "tiny-qwen3", torch.device("cpu")
+        args.seq_len, args.plain_seq_len, args.layers, args.steps = 256, 128, 2, 1
+    elif not torch.cuda.is_available():
         sys.exit("benchmarks/gpu/offload.py needs a CUDA GPU and none is available: nothing was measured.")
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, layers {args.layers}, Qwen3-4B width, "
-          f"bf16, chunked loss; {args.seq_len} tokens with checkpointing, {args.plain_seq_len} without", flush=True)
-    model = build_model(args.layers)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (dry run)"
+    print(f"{name}, torch {torch.__version__}, layers {args.layers}, {preset} width, "
+          f"chunked loss; {args.seq_len} tokens with checkpointing, {args.plain_seq_len} without", flush=True)
+    model = build_model(preset, args.layers, device)
     layers = find_decoder_layers(model)
-    generator = torch.Generator("cuda").manual_seed(1)
-    input_ids = torch.randint(0, model.config.vocab_size, (1, args.seq_len), device="cuda", generator=generator)
+    generator = torch.Generator(device).manual_seed(1)
+    input_ids = torch.randint(0, model.config.vocab_size, (1, args.seq_len), device=device, generator=generator)
 
     results: dict[str, dict] = {}
     restore = apply_checkpointing(layers)
     results["checkpointing"] = measure(model, input_ids, None, args.steps)
-    offloader = ActivationOffloader(model, max_fwd_stash_size=args.stash)
+    offloader = offloader_for(model, max_fwd_stash_size=args.stash)
     results["checkpointing + offload"] = measure(model, input_ids, offloader, args.steps)
     restore()
     restore = apply_checkpointing(layers, offload=True)
@@ -127,7 +158,7 @@ def main() -> None:
     restore()
     input_ids = input_ids[:, : args.plain_seq_len]
     results["no checkpointing"] = measure(model, input_ids, None, args.steps)
-    results["no checkpointing + offload"] = measure(model, input_ids, ActivationOffloader(model), args.steps)
+    results["no checkpointing + offload"] = measure(model, input_ids, offloader_for(model), args.steps)
 
     references = {
         "checkpointing": "checkpointing",
@@ -136,14 +167,53 @@ def main() -> None:
         "no checkpointing": "no checkpointing",
         "no checkpointing + offload": "no checkpointing",
     }
+    columns = ["setting", "tokens", "peak GiB", "above weights GiB", "step s", "offloaded GiB", "peak ratio",
+               "time ratio", "grad rel diff"]
+    rows = []
+    for setting, result in results.items():
+        reference = results[references[setting]]
+        tokens = args.plain_seq_len if setting.startswith("no checkpointing") else args.seq_len
+        rows.append([
+            setting, tokens, result["peak"], result["above_weights"], result["time"], result["offloaded"],
+            result["peak"] / reference["peak"], result["time"] / reference["time"],
+            max_relative_difference(reference["grads"], result["grads"]),
+        ])
     print(f"{'setting':<28}{'peak GiB':>10}{'above weights':>15}{'step s':>9}{'offloaded GiB':>15}"
           f"{'peak ratio':>12}{'time ratio':>12}{'grad rel diff':>15}")
-    for name, result in results.items():
-        reference = results[references[name]]
-        print(f"{name:<28}{result['peak']:>10.2f}{result['above_weights']:>15.2f}{result['time']:>9.3f}"
-              f"{result['offloaded']:>15.2f}{result['peak'] / reference['peak']:>12.3f}"
-              f"{result['time'] / reference['time']:>12.3f}"
-              f"{max_relative_difference(reference['grads'], result['grads']):>15.2e}")
+    for setting, _, peak, above, seconds, offloaded, peak_ratio, time_ratio, difference in rows:
+        print(f"{setting:<28}{peak:>10.2f}{above:>15.2f}{seconds:>9.3f}{offloaded:>15.2f}{peak_ratio:>12.3f}"
+              f"{time_ratio:>12.3f}{difference:>15.2e}")
+
+    tolerance = GRADIENT_TOLERANCE[device.type]
+    worst = max(row[-1] for row in rows)
+    checks = [check("offloading leaves the gradients unchanged", worst <= tolerance,
+                    f"largest relative difference {worst:.2e}, tolerance {tolerance:.0e}")]
+    for setting in ("checkpointing + offload", "no checkpointing + offload"):
+        offloaded = results[setting]["offloaded"] * GIB
+        checks.append(check(f"{setting} moved activations to host memory", offloaded > 0, f"{offloaded:,.0f} bytes"))
+    if device.type == "cuda":
+        for setting, reference in (("offloaded checkpoints", "checkpointing"),
+                                   ("no checkpointing + offload", "no checkpointing")):
+            ours, theirs = results[setting]["peak"], results[reference]["peak"]
+            checks.append(check(f"{setting} peaks lower than {reference}", ours < theirs,
+                                f"{ours:.2f} GiB against {theirs:.2f} GiB"))
+        expandable = expandable_segments_in_use()
+        checks.append(check("the caching allocator uses expandable segments", expandable is not False,
+                            "every segment is expandable" if expandable else
+                            "torch does not report it" if expandable is None else "some segments are not expandable"))
+    for item in checks:
+        print(f"{'passed' if item['passed'] else 'FAILED'}: {item['name']} ({item['detail']})")
+    by_setting = {row[0]: row for row in rows}
+    summary = (
+        f"peak: offloaded checkpoints {by_setting['offloaded checkpoints'][6]:.2f}x of checkpointing, "
+        f"offload without checkpointing {by_setting['no checkpointing + offload'][6]:.2f}x of none; "
+        f"time {by_setting['offloaded checkpoints'][7]:.2f}x and {by_setting['no checkpointing + offload'][7]:.2f}x"
+    )
+    title = (f"{preset} width, {args.layers} layers, {model.dtype}, chunked loss, median of {args.steps} steps; "
+             "ratios against the reference setting (checkpointing, or no checkpointing) in the same run")
+    passed = write(args.json, summary=summary, tables=[table(title, columns, rows)], checks=checks, config=vars(args)
+                   | {"json": str(args.json), "preset": preset, "device": str(device)})
+    sys.exit(0 if passed else 1)
 
 
 if __name__ == "__main__":

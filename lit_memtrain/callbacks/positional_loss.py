@@ -19,16 +19,18 @@ import math
 from collections.abc import Mapping
 from dataclasses import astuple, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import WandbLogger
-from matplotlib.figure import Figure
 from torch import Tensor
 from typing_extensions import override
+
+if TYPE_CHECKING:  # imported where a plot is drawn: GPU machines may lack matplotlib
+    from matplotlib.figure import Figure
 
 IGNORE_INDEX = -100
 DEFAULT_NUM_BUCKETS = 32
@@ -66,6 +68,8 @@ def unigram_entropy(token_counts: Tensor) -> float:
 
 def plot_loss_by_position(buckets: list[PositionBucket], entropy: float) -> Figure:
     """Mean loss at each bucket's midpoint, with the unigram entropy as a horizontal reference line."""
+    from matplotlib.figure import Figure
+
     figure = Figure(figsize=(7, 4), dpi=100)
     axes = figure.add_subplot()
     midpoints = [(bucket.start + bucket.end) / 2 for bucket in buckets]

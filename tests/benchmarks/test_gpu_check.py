@@ -1,0 +1,260 @@
+"""The GPU check (benchmarks/gpu/check.py) on the CPU: its dry run on a machine without the optional
+packages, its refusal without CUDA, and how the runner deals with parts that hang, crash or lack a package."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+GPU = ROOT / "benchmarks" / "gpu"
+# What the GPU machine lacks (matplotlib, a declared dependency that GPU tests use, is left in the dry run).
+ABSENT = ("datasets", "wandb", "jsonargparse", "flash_attn", "bitsandbytes", "numba", "pyarrow", "trl")
+
+_WITHOUT_PACKAGES = """
+import sys
+
+ABSENT = {absent!r}
+
+
+def _absent(name):
+    return name is not None and name.lower().replace("-", "_").partition(".")[0] in ABSENT
+
+
+class _Without:
+    '''Hides the absent packages from a finder, as if not installed: import fails, find_spec returns None and
+    importlib.metadata finds no distribution (libraries such as torchmetrics test for it before importing).'''
+
+    def __init__(self, finder):
+        self.finder = finder
+
+    def find_spec(self, name, path=None, target=None):
+        return None if _absent(name) else self.finder.find_spec(name, path, target)
+
+    def find_distributions(self, context=None):
+        found = getattr(self.finder, "find_distributions", lambda context: ())(context)
+        return [] if _absent(getattr(context, "name", None)) else [d for d in found if not _absent(d.metadata["Name"])]
+
+    def __getattr__(self, attribute):
+        return getattr(self.finder, attribute)
+
+
+sys.meta_path[:] = [_Without(finder) for finder in sys.meta_path]
+"""
+
+
+@pytest.fixture(scope="module")
+def check_module():
+    sys.path.insert(0, str(GPU))
+    try:
+        import check
+
+        yield check
+    finally:
+        sys.path.remove(str(GPU))
+
+
+def _environment(extra_path: Path | None = None) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    paths = [str(path) for path in (extra_path, ROOT) if path is not None]
+    env["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [os.environ.get("PYTHONPATH")])])
+    return env
+
+
+def test_dry_run_without_the_optional_packages_runs_every_part_and_writes_the_report(tmp_path):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "sitecustomize.py").write_text(_WITHOUT_PACKAGES.format(absent=ABSENT))
+    probe = subprocess.run(
+        [sys.executable, "-c", "import importlib.util; assert importlib.util.find_spec('datasets') is None; import datasets"],
+        capture_output=True, text=True, env=_environment(bare), timeout=60,
+    )
+    assert "No module named 'datasets'" in probe.stderr  # the emulation of a bare machine works
+
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, str(GPU / "check.py"), str(out), "--dry-run"],
+        capture_output=True, text=True, env=_environment(bare), cwd=tmp_path, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    report = json.loads((out / "report.json").read_text())
+    parts = {part["name"]: part for part in report["parts"]}
+    assert list(parts) == ["gpu tests", "offload", "packed attention", "planner", "fsdp2", "context parallel"]
+    for name in ("gpu tests", "offload", "packed attention", "planner"):
+        assert parts[name]["status"] == "passed", parts[name]
+        assert all(item["passed"] for item in parts[name]["result"]["checks"])
+    for name, script in (("fsdp2", "fsdp2.py"), ("context parallel", "context_parallel.py")):
+        expected = "passed" if (GPU / script).exists() else "skipped"
+        assert parts[name]["status"] == expected, parts[name]
+
+    tests = parts["gpu tests"]["result"]["tables"][0]["rows"]
+    assert len(tests) >= 7  # collected (none lacks a package), then skipped for want of CUDA
+    assert {row[1] for row in tests} == {"skipped"} and all("CUDA" in row[3] for row in tests), tests
+    offload = {row[0]: row for row in parts["offload"]["result"]["tables"][0]["rows"]}
+    assert offload["checkpointing + offload"][5] > 0 and offload["no checkpointing + offload"][5] > 0
+    planner = parts["planner"]["result"]["tables"][0]["rows"]
+    assert [(row[0], row[1]) for row in planner] == [(64, "full"), (64, "offload"), (128, "full"), (128, "offload")]
+    assert all(row[2] > 0 and row[3] is None for row in planner)  # predicted; nothing measured on the CPU
+    assert planner[2][2] > planner[0][2]  # more tokens, more memory
+
+    markdown = (out / "report.md").read_text()
+    assert "no GPU (dry run on the CPU: figures mean nothing)" in markdown
+    assert f"torch {report['environment']['torch']}, CUDA none" in markdown
+    assert "| gpu tests | **passed** |" in markdown
+    assert "| checkpointing + offload | 256 |" in markdown
+    assert "`python benchmarks/gpu/check.py " in markdown
+    assert "[" in result.stdout and "offload: passed in" in result.stdout  # a progress line per part
+
+
+def test_the_package_and_every_gpu_script_import_without_the_optional_packages_and_matplotlib(tmp_path):
+    """matplotlib is a declared dependency but not one of what a bare GPU machine has: only plots need it."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "sitecustomize.py").write_text(_WITHOUT_PACKAGES.format(absent=(*ABSENT, "matplotlib")))
+    modules = ["lit_memtrain", "lit_memtrain.module", "lit_memtrain.callbacks", "lit_memtrain.planner.simulate"]
+    modules += sorted(path.stem for path in GPU.glob("*.py"))
+    code = f"import importlib, sys; sys.path.insert(0, {str(GPU)!r})\nfor name in {modules!r}: importlib.import_module(name)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=_environment(bare), timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert {"check", "offload", "planner_vs_measured"} <= set(modules)
+
+
+def test_without_cuda_it_stops_at_once_with_a_clear_message(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(GPU / "check.py"), str(tmp_path / "out")],
+        capture_output=True, text=True, env=_environment(), timeout=120,
+    )
+    assert result.returncode == 2
+    assert "this machine has no CUDA GPU" in result.stderr
+    assert "add --dry-run" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def _part_script(tmp_path: Path, name: str, body: str) -> Path:
+    path = tmp_path / f"{name}.py"
+    path.write_text("import json, subprocess, sys, time\nJSON = sys.argv[sys.argv.index('--json') + 1]\n"
+                    + textwrap.dedent(body))
+    return path
+
+
+def _is_running(pid: int) -> bool:
+    stat = Path(f"/proc/{pid}/stat")
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_a_hung_part_is_killed_with_its_children_and_the_others_still_run(check_module, tmp_path):
+    Part = check_module.Part
+    pid_file = tmp_path / "child.pid"
+    parts = (
+        Part("hangs", str(_part_script(tmp_path, "hangs", f"""
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+            open({str(pid_file)!r}, "w").write(str(child.pid))
+            time.sleep(120)
+            """)), limit_s=3),
+        Part("crashes", str(_part_script(tmp_path, "crashes", "raise RuntimeError('boom in the part')\n")), limit_s=30),
+        Part("needs datasets", str(_part_script(tmp_path, "needs_datasets", """
+            raise ModuleNotFoundError("No module named 'datasets'", name="datasets")
+            """)), limit_s=30),
+        Part("fails a check", str(_part_script(tmp_path, "fails_a_check", """
+            result = {"summary": "ratio 0.5x", "config": {},
+                      "tables": [{"title": "t", "columns": ["a", "ratio"], "rows": [["x", 0.5]]}],
+                      "checks": [{"name": "ratio above 1", "passed": False, "detail": "0.5"}]}
+            open(JSON, "w").write(json.dumps(result))
+            sys.exit(1)
+            """)), limit_s=30),
+        Part("passes", str(_part_script(tmp_path, "passes", """
+            assert "--dry-run" in sys.argv
+            result = {"summary": "all good", "tables": [{"title": "figures", "columns": ["setting", "peak GiB"],
+                      "rows": [["plain", 1.5], ["ours", None]]}], "checks": [], "config": {}}
+            open(JSON, "w").write(json.dumps(result))
+            """)), limit_s=30),
+        Part("not written yet", str(tmp_path / "missing.py"), limit_s=30, optional=True),
+        Part("required but missing", str(tmp_path / "missing.py"), limit_s=30),
+    )
+    out = tmp_path / "out"
+    report = check_module.run_check(
+        parts, out, budget_s=300, dry_run=True, environment={"torch": "x", "packages": {}}, command="check"
+    )
+    status = {part["name"]: (part["status"], part["reason"]) for part in report["parts"]}
+    assert status == {
+        "hangs": ("timed out", "killed at its limit of 3 s"),
+        "crashes": ("failed", "exit status 1"),
+        "needs datasets": ("skipped", "needs datasets, which is not installed"),
+        "fails a check": ("failed", "failed checks: ratio above 1"),
+        "passes": ("passed", ""),
+        "not written yet": ("skipped", f"{tmp_path / 'missing.py'} does not exist yet"),
+        "required but missing": ("failed", f"{tmp_path / 'missing.py'} does not exist yet"),
+    }
+    assert report["parts"][0]["seconds"] < 15
+    assert not _is_running(int(pid_file.read_text()))
+    assert "boom in the part" in report["parts"][1]["output_tail"]
+    markdown = (out / "report.md").read_text()
+    assert "| plain | 1.500 |\n| ours | n/a |" in markdown
+    assert "| x | 0.500 |" in markdown and "- **FAILED**: ratio above 1 (0.5)" in markdown
+    assert "RuntimeError: boom in the part" in markdown  # the end of a failed part's output
+    assert json.loads((out / "report.json").read_text()) == json.loads(json.dumps(report))
+
+
+def test_parts_left_without_time_are_not_started(check_module, tmp_path):
+    never = check_module.Part("late", str(_part_script(tmp_path, "late", "open(JSON, 'w').write('{}')\n")), limit_s=60)
+    report = check_module.run_check(
+        (never,), tmp_path / "out", budget_s=check_module.MIN_PART_S - 1, dry_run=True,
+        environment={"packages": {}}, command="check",
+    )
+    (part,) = report["parts"]
+    assert part["status"] == "skipped" and part["reason"].startswith("not started: ")
+    assert not (tmp_path / "out" / "parts").exists()
+
+
+def test_gpu_tests_part_counts_a_missing_optional_package_as_skipped(tmp_path):
+    sys.path.insert(0, str(GPU))
+    try:
+        from gpu_tests import read_junit
+    finally:
+        sys.path.remove(str(GPU))
+    (tmp_path / "test_outcomes.py").write_text(textwrap.dedent("""
+        import pytest
+
+        def test_passes():
+            pass
+
+        def test_needs_datasets():
+            raise ModuleNotFoundError("No module named 'datasets'", name="datasets")
+
+        def test_needs_torch_extension():
+            raise ModuleNotFoundError("No module named 'torch_missing_extension'")
+
+        def test_fails():
+            assert 1 == 2
+
+        @pytest.mark.skip(reason="needs CUDA")
+        def test_skipped():
+            pass
+    """))
+    (tmp_path / "test_uncollectable.py").write_text("raise ModuleNotFoundError(\"No module named 'wandb.sdk'\")\n")
+    junit = tmp_path / "junit.xml"
+    subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--continue-on-collection-errors",
+         f"--junitxml={junit}", "test_outcomes.py", "test_uncollectable.py"],
+        cwd=tmp_path, capture_output=True, timeout=120,
+    )
+    outcomes = {row[0].split("::")[-1].rsplit(".", 1)[-1]: (row[1], row[3]) for row in read_junit(junit)}
+    assert outcomes == {
+        "test_passes": ("passed", ""),
+        "test_needs_datasets": ("skipped", "needs datasets, which is not installed"),
+        "test_needs_torch_extension": ("failed", "ModuleNotFoundError: No module named 'torch_missing_extension'"),
+        "test_fails": ("failed", "assert 1 == 2"),
+        "test_skipped": ("skipped", "needs CUDA"),
+        "test_uncollectable": ("skipped", "needs wandb, which is not installed"),
+    }
