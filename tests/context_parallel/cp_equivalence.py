@@ -8,6 +8,7 @@ unsharded row with targets shifted the usual way: nothing of ``lit_memtrain.cont
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import socket
@@ -20,10 +21,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoModelForCausalLM
 
 from lit_memtrain.checkpointing import apply_checkpointing
-from lit_memtrain.context_parallel import global_target_count, install_attention, shard_batch, shard_loss
+from lit_memtrain.context_parallel import (
+    global_target_count,
+    install_attention,
+    shard_batch,
+    shard_loss,
+    torch_ring_attention,
+)
 from lit_memtrain.datamodules.padding_free import PaddingFreeCollator
 from lit_memtrain.layers import find_decoder_layers
 from lit_memtrain.presets import build_config
@@ -47,16 +55,24 @@ class Case:
     tiled_mlp: bool = False
     batch_rows: int = 1  # > 1: that many single-document rows of lengths[0] tokens
     cp: int = 2  # ranks 0 .. cp - 1 of the spawned processes form the group; the others wait
+    dtype: str = "float64"
+    ring_backend: str = "all_gather"
 
 
-def build_model(case: Case) -> torch.nn.Module:
+def build_model(case: Case, device: torch.device | str = "cpu") -> torch.nn.Module:
     config = build_config(case.preset, {"num_hidden_layers": 2, **case.overrides})
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float64)
-    return model.train()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=getattr(torch, case.dtype))
+    return model.to(device).train()
 
 
-def build_batch(case: Case, vocab_size: int) -> dict[str, Any]:
+def build_batch(case: Case, vocab_size: int, device: torch.device | str = "cpu") -> dict[str, Any]:
+    batch = _cpu_batch(case, vocab_size)
+    return {key: value.to(device) if key != "cu_seq_lens_q" and torch.is_tensor(value) else value
+            for key, value in batch.items()}  # fmt: skip
+
+
+def _cpu_batch(case: Case, vocab_size: int) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(1)
     if case.batch_rows > 1:
         ids = torch.randint(0, vocab_size, (case.batch_rows, case.lengths[0]), generator=generator)
@@ -90,7 +106,7 @@ def reference(case: Case, model: torch.nn.Module, batch: dict[str, Any]) -> tupl
     targets = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
     loss = _loss(model, hidden, targets, (targets != -100).sum(), case.loss)
     loss.backward()
-    return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
+    return loss.item(), {name: p.grad.cpu() for name, p in model.named_parameters()}
 
 
 def context_parallel(
@@ -102,23 +118,26 @@ def context_parallel(
         apply_checkpointing(find_decoder_layers(model))
     if case.tiled_mlp:
         apply_tiled_mlp(find_decoder_layers(model), num_tiles=3)
-    attention = install_attention(model, group, case.method, inner=case.inner)
+    attention = install_attention(model, group, case.method, inner=case.inner, ring_backend=case.ring_backend)
     shard = shard_batch(batch, rank, size, case.method)
     attention.set_layout(shard.layout)
     model.zero_grad()
-    hidden = model.model(
-        input_ids=shard.batch["input_ids"], position_ids=shard.batch["position_ids"], use_cache=False
-    ).last_hidden_state
-    targets = shard.batch["shift_labels"]
-    loss = _loss(model, hidden, targets, global_target_count(targets, group), case.loss)
-    loss.backward()
+    with contextlib.ExitStack() as stack:
+        if case.ring_backend == "torch":  # open from the forward through the backward
+            stack.enter_context(torch_ring_attention(DeviceMesh.from_group(group, "cuda"), shard.layout))
+        hidden = model.model(
+            input_ids=shard.batch["input_ids"], position_ids=shard.batch["position_ids"], use_cache=False
+        ).last_hidden_state
+        targets = shard.batch["shift_labels"]
+        loss = _loss(model, hidden, targets, global_target_count(targets, group), case.loss)
+        loss.backward()
     attention.uninstall()
     total = loss.detach().clone()
     dist.all_reduce(total, group=group)
     grads = {}
     for name, param in model.named_parameters():
         dist.all_reduce(param.grad, group=group)
-        grads[name] = param.grad
+        grads[name] = param.grad.cpu()
     return total.item(), grads, shard.layout.padding
 
 
@@ -158,10 +177,14 @@ def misuse(group: dist.ProcessGroup) -> dict[str, str]:
     return errors
 
 
-def _worker(rank: int, world_size: int, port: int, cases: list[Case], output: str) -> None:
+def _worker(rank: int, world_size: int, port: int, cases: list[Case], output: str, backend: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
     # One group per size, of the first ranks (every rank takes part in creating every group).
     groups = {size: dist.new_group(list(range(size))) for size in sorted({case.cp for case in cases} | {2})}
     results: dict[str, Any] = {}
@@ -169,15 +192,15 @@ def _worker(rank: int, world_size: int, port: int, cases: list[Case], output: st
         for case in cases:
             if rank < case.cp:
                 try:
-                    model = build_model(case)
-                    batch = build_batch(case, model.config.vocab_size)
+                    model = build_model(case, device)
+                    batch = build_batch(case, model.config.vocab_size, device)
                     expected = reference(case, copy.deepcopy(model), batch)
                     loss, grads, padding = context_parallel(case, model, batch, groups[case.cp])
                     results[case.name] = {"reference": expected, "cp": (loss, grads), "padding": padding}
                 except Exception as error:  # reported per case; the other ranks raise the same error
                     results[case.name] = {"error": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()}
             dist.barrier()  # every case ends on every rank: no rank is left inside a collective
-        if rank < 2:
+        if rank < 2 and backend == "gloo":
             results["misuse"] = misuse(groups[2])
         dist.barrier()
         if rank == 0:
@@ -186,12 +209,15 @@ def _worker(rank: int, world_size: int, port: int, cases: list[Case], output: st
         dist.destroy_process_group()
 
 
-def run_cases(cases: list[Case], directory: Path) -> dict[str, Any]:
-    """Run every case on spawned gloo ranks (as many as the largest ``cp``); rank 0's results by case name."""
+def run_cases(cases: list[Case], directory: Path, backend: str = "gloo") -> dict[str, Any]:
+    """Run every case on spawned ranks (as many as the largest ``cp``); rank 0's results by case name.
+
+    ``backend="nccl"`` puts rank ``r`` on ``cuda:r``.
+    """
     world_size = max(case.cp for case in cases)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     output = str(directory / "results.pt")
-    mp.spawn(_worker, args=(world_size, port, cases, output), nprocs=world_size, join=True)
+    mp.spawn(_worker, args=(world_size, port, cases, output, backend), nprocs=world_size, join=True)
     return torch.load(output, weights_only=False)
