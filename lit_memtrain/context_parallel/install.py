@@ -26,13 +26,14 @@ import importlib.util
 import weakref
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from lit_memtrain.attention import SDPA_BY_DOCUMENT
-from lit_memtrain.context_parallel.ring_attention import gathered_kv_attention
+from lit_memtrain.context_parallel.ring_attention import AttentionBlock, attention_blocks, gathered_kv_attention
 from lit_memtrain.context_parallel.sharding import ShardLayout
 from lit_memtrain.context_parallel.torch_ring import torch_ring_sdpa
 from lit_memtrain.context_parallel.ulysses import INNER_ATTENTIONS, ulysses_attention
@@ -64,6 +65,8 @@ class ContextParallelAttention:
         self.ring_backend = ring_backend
         self.previous = previous
         self.layout: ShardLayout | None = None
+        self._positions_checked = False
+        self._blocks: list[AttentionBlock] = []
         self._size = dist.get_world_size(group)
         self._rank = dist.get_rank(group)
 
@@ -76,6 +79,9 @@ class ContextParallelAttention:
                 f"attention runs {self.method!r} on rank {self._rank} of a group of {self._size}."
             )
         self.layout = layout
+        self._positions_checked = False
+        if self.method == "ring" and self.ring_backend == "all_gather":
+            self._blocks = attention_blocks(layout)
 
     def uninstall(self) -> None:
         """Restore the model's previous attention implementation."""
@@ -101,7 +107,7 @@ class ContextParallelAttention:
         elif self.ring_backend == "torch":
             output = torch_ring_sdpa(query, key, value, layout, scaling, dropout)
         else:
-            output = gathered_kv_attention(query, key, value, layout, self.group, scaling, dropout)
+            output = gathered_kv_attention(query, key, value, layout, self._blocks, self.group, scaling, dropout)
         return output, None
 
     def _checked_layout(
@@ -129,7 +135,25 @@ class ContextParallelAttention:
                 f"layout set last is for {expected[0]} row(s) of {expected[1]} tokens on this rank: call "
                 "set_layout(shard.layout) with every batch (and use no KV cache)."
             )
+        if not self._positions_checked and kwargs.get("position_ids") is not None:
+            self._check_positions(kwargs["position_ids"], layout)
         return layout
+
+    def _check_positions(self, position_ids: Tensor, layout: ShardLayout) -> None:
+        """Once per batch (one device sync): RoPE must rotate each token by its position in the row. Called
+        without ``position_ids`` a model numbers the shard from 0, which is wrong on every rank but the first.
+        The verdict is agreed over the group, so that every rank raises rather than some waiting for the others
+        in the next exchange."""
+        expected = layout.position_ids.to(position_ids.device)
+        agreed = torch.tensor(int(torch.equal(position_ids.expand_as(expected), expected)), device=expected.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
+        if not agreed.item():
+            raise ValueError(
+                f"The model was called with position_ids that are not the shard's (on this rank {position_ids[0, :6].tolist()}"
+                f"... for tokens at {expected[0, :6].tolist()}... of their documents, or on another rank of the "
+                "group): call it with position_ids=shard.batch['position_ids'] (global positions), never without them."
+            )
+        self._positions_checked = True
 
 
 def _attention(module: nn.Module, *args: Any, **kwargs: Any) -> tuple[Tensor, None]:

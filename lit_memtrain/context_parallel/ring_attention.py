@@ -10,38 +10,52 @@ causal mask is aligned to the bottom right (a query sees the keys up to its own 
 takes as a ``CausalBias`` that the CUDA kernels apply without building a mask (on CPU it is materialised, one
 block at a time); where a chunk and its keys start together the plain ``is_causal`` kernel runs.
 
-Memory: the gathered keys and values of the row per layer (``2 x L x kv_heads x head_dim``), freed after the
-layer; the queries, outputs and everything else stay ``L / cp``. Head-tail shards
+Memory: the gathered keys and values of the row per layer (``2 x L x kv_heads x head_dim``), which autograd
+keeps for backward unless the layer is checkpointed; the queries, outputs and everything else stay ``L / cp``. Head-tail shards
 (:func:`~lit_memtrain.context_parallel.sharding.rank_chunks`) give every rank the same amount of causal work.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from lit_memtrain.context_parallel.exchange import gather_sequence
 from lit_memtrain.context_parallel.sharding import ShardLayout
 
-__all__ = ["attention_blocks", "gathered_kv_attention"]
+__all__ = ["AttentionBlock", "attention_blocks", "gathered_kv_attention"]
 
 
-def attention_blocks(layout: ShardLayout) -> list[tuple[int, int, int, int]]:
-    """``(query start, query stop, key start, key stop)`` for every (local chunk, document) pair of this rank.
+class AttentionBlock(NamedTuple):
+    """Local queries ``[query_start, query_stop)`` attend to row keys ``[key_start, key_stop)`` of one document.
 
-    Queries are local positions (in the order the rank holds them), keys are positions in the row. The query
-    ranges follow each other and cover the shard.
+    ``mask`` is ``None`` where the block starts with its document (plain causal attention), else the
+    lower-right causal bias. It is made here, once per batch, and not in the forward: ``CausalBias`` is a
+    tensor subclass, which cannot be created under selective checkpointing's dispatch mode.
     """
+
+    query_start: int
+    query_stop: int
+    key_start: int
+    key_stop: int
+    mask: CausalBias | None
+
+
+def attention_blocks(layout: ShardLayout) -> list[AttentionBlock]:
+    """One block for every (local chunk, document) pair of this rank, in local order, covering the shard."""
     bounds = layout.cu_seq_lens.tolist()
     blocks, offset = [], 0
     for start, stop in layout.chunks:
         for first, last in zip(bounds[:-1], bounds[1:], strict=True):
             low, high = max(start, first), min(stop, last)
             if low < high:
-                blocks.append((offset + low - start, offset + high - start, first, high))
+                mask = None if low == first else causal_lower_right(high - low, high - first)
+                blocks.append(AttentionBlock(offset + low - start, offset + high - start, first, high, mask))
         offset += stop - start
     return blocks
 
@@ -51,6 +65,7 @@ def gathered_kv_attention(
     key: Tensor,
     value: Tensor,
     layout: ShardLayout,
+    blocks: list[AttentionBlock],
     group: dist.ProcessGroup,
     scaling: float | None,
     dropout: float,
@@ -60,6 +75,7 @@ def gathered_kv_attention(
     Args:
         query: ``[B, heads, local tokens, D]``; key, value: ``[B, kv_heads, local tokens, D]``.
         layout: the layout of the batch (from :func:`~lit_memtrain.context_parallel.shard_batch`).
+        blocks: ``attention_blocks(layout)``, made outside the forward.
         group: the context-parallel process group.
 
     Returns:
@@ -69,24 +85,20 @@ def gathered_kv_attention(
     key, value = gather_sequence(key, group, order), gather_sequence(value, group, order)
     groups = query.shape[1] // key.shape[1]
     outputs = []
-    for q_start, q_stop, k_start, k_stop in attention_blocks(layout):
-        queries, keys = q_stop - q_start, k_stop - k_start
-        block_key, block_value = key[:, :, k_start:k_stop], value[:, :, k_start:k_stop]
-        if queries == keys:  # the block starts with its document: plain causal attention
-            mask, causal = None, True
-        else:  # torch's lower-right CausalBias kernels take no grouped heads: repeat them for this block
-            mask, causal = causal_lower_right(queries, keys), False
-            if groups > 1:
-                block_key = block_key.repeat_interleave(groups, dim=1)
-                block_value = block_value.repeat_interleave(groups, dim=1)
+    for block in blocks:
+        block_key = key[:, :, block.key_start : block.key_stop]
+        block_value = value[:, :, block.key_start : block.key_stop]
+        if block.mask is not None and groups > 1:  # the lower-right kernels take no grouped heads
+            block_key = block_key.repeat_interleave(groups, dim=1)
+            block_value = block_value.repeat_interleave(groups, dim=1)
         outputs.append(
             F.scaled_dot_product_attention(
-                query[:, :, q_start:q_stop],
+                query[:, :, block.query_start : block.query_stop],
                 block_key,
                 block_value,
-                attn_mask=mask,
+                attn_mask=block.mask,
                 dropout_p=dropout,
-                is_causal=causal,
+                is_causal=block.mask is None,
                 scale=scaling,
                 enable_gqa=query.shape[1] != block_key.shape[1],
             )

@@ -60,7 +60,7 @@ def rank_chunks(length: int, cp_size: int, method: str, cp_rank: int) -> tuple[t
     return ((cp_rank * shard, (cp_rank + 1) * shard),)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ShardLayout:
     """What attention needs to know about a sharded row besides its own queries, keys and values.
 
@@ -75,6 +75,8 @@ class ShardLayout:
             some was added) followed by ``length``. Every row of the batch has these segments.
         num_documents: segments of the row as given, before the padding.
         chunks: the ``[start, stop)`` ranges of the row this rank holds, in local order.
+        position_ids: ``[B, local tokens]``, the positions this rank's tokens have in their documents: what
+            the model must be called with (the installed attention checks it once per batch).
     """
 
     method: str
@@ -86,6 +88,7 @@ class ShardLayout:
     cu_seq_lens: Tensor
     num_documents: int
     chunks: tuple[tuple[int, int], ...]
+    position_ids: Tensor
 
     @property
     def local_length(self) -> int:
@@ -232,6 +235,11 @@ def shard_batch(
         input_ids = F.pad(input_ids, (0, padding), value=pad_token_id)
         targets = F.pad(targets, (0, padding), value=IGNORE_INDEX)
         positions = torch.cat([positions, torch.arange(padding, device=positions.device).expand(rows, -1)], dim=1)
+    chunks = rank_chunks(padded, cp_size, method, cp_rank)
+
+    def local(tensor: Tensor) -> Tensor:
+        return torch.cat([tensor[:, start:stop] for start, stop in chunks], dim=1)
+
     layout = ShardLayout(
         method=method,
         cp_rank=cp_rank,
@@ -241,18 +249,16 @@ def shard_batch(
         padding=padding,
         cu_seq_lens=torch.tensor(bounds + ([padded] if padding else []), dtype=torch.int32),
         num_documents=len(bounds) - 1,
-        chunks=rank_chunks(padded, cp_size, method, cp_rank),
+        chunks=chunks,
+        position_ids=local(positions),
     )
-
-    def local(tensor: Tensor) -> Tensor:
-        return torch.cat([tensor[:, start:stop] for start, stop in layout.chunks], dim=1)
 
     real_length = int(batch["num_tokens"]) if rows == 1 and "num_tokens" in batch else length
     shift_labels = local(targets)
     shard = {key: value for key, value in batch.items() if key not in _UNSHARDED_KEYS}
     shard.update(
         input_ids=local(input_ids),
-        position_ids=local(positions),
+        position_ids=layout.position_ids,
         shift_labels=shift_labels,
         num_trainable_tokens=(shift_labels != IGNORE_INDEX).sum(),
         num_tokens=rows * sum(max(0, min(stop, real_length) - start) for start, stop in layout.chunks),

@@ -51,7 +51,7 @@ class Case:
     overrides: dict[str, Any] = field(default_factory=dict)
     inner: str = "sdpa_by_document"
     loss: str = "float64"  # "float64": logits and cross-entropy in float64; "chunked": shard_loss
-    checkpointing: bool = False
+    checkpointing: dict[str, bool] | None = None  # apply_checkpointing's options ({} = full checkpointing)
     tiled_mlp: bool = False
     batch_rows: int = 1  # > 1: that many single-document rows of lengths[0] tokens
     cp: int = 2  # ranks 0 .. cp - 1 of the spawned processes form the group; the others wait
@@ -114,8 +114,8 @@ def context_parallel(
 ) -> tuple[float, dict[str, torch.Tensor], int]:
     """Loss (summed over the group), gradients (summed over the group) and padding, for this rank's shard."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    if case.checkpointing:
-        apply_checkpointing(find_decoder_layers(model))
+    if case.checkpointing is not None:
+        apply_checkpointing(find_decoder_layers(model), **case.checkpointing)
     if case.tiled_mlp:
         apply_tiled_mlp(find_decoder_layers(model), num_tiles=3)
     attention = install_attention(model, group, case.method, inner=case.inner, ring_backend=case.ring_backend)
@@ -168,6 +168,8 @@ def misuse(group: dist.ProcessGroup) -> dict[str, str]:
     errors["installed_twice"] = _error(lambda: install_attention(model, group, "ulysses"))
     attention.set_layout(shard.layout)
     errors["stale_layout"] = _error(lambda: forward(shard.batch["input_ids"][:, :4]))
+    # without position ids the model numbers each shard from 0: right on rank 0 only, yet every rank must raise
+    errors["no_positions"] = _error(lambda: model.model(input_ids=shard.batch["input_ids"], use_cache=False))
     mask = torch.ones_like(shard.batch["input_ids"])
     errors["attention_mask"] = _error(lambda: forward(shard.batch["input_ids"], attention_mask=mask))
     attention.uninstall()

@@ -22,7 +22,7 @@ CASES_CP2 = [
     Case("ulysses-packed-kv2", "ulysses", PACKED),
     Case("ulysses-packed-kv1", "ulysses", PACKED, overrides={"num_key_value_heads": 1}),
     Case("ulysses-packed-llama-yarn", "ulysses", PACKED, preset="tiny-llama", overrides=YARN_OVERRIDES),
-    Case("ulysses-packed-checkpointing-tiled-mlp", "ulysses", PACKED, checkpointing=True, tiled_mlp=True),
+    Case("ulysses-packed-checkpointing-tiled-mlp", "ulysses", PACKED, checkpointing={}, tiled_mlp=True),
     Case("ulysses-packed-chunked-loss", "ulysses", PACKED, loss="chunked"),
     Case("ulysses-two-rows", "ulysses", (15,), batch_rows=2, inner="sdpa"),
     Case("ring-single-document-padded", "ring", (30,)),
@@ -30,6 +30,8 @@ CASES_CP2 = [
     Case("ring-packed-kv1", "ring", PACKED, overrides={"num_key_value_heads": 1}),
     Case("ring-packed-yarn", "ring", PACKED, overrides=YARN_OVERRIDES),
     Case("ring-packed-chunked-loss", "ring", PACKED, loss="chunked"),
+    Case("ring-packed-selective-offloaded-checkpointing-tiled-mlp", "ring", PACKED,
+         checkpointing={"selective": True, "offload": True}, tiled_mlp=True),  # fmt: skip
     Case("ring-two-rows", "ring", (13,), batch_rows=2),
 ]
 CASES_CP4 = [  # kv_heads 2 at cp 4: each key/value head replicated on two ranks
@@ -79,5 +81,6 @@ def test_misuse_raises_clear_errors_before_any_exchange(results) -> None:
     assert "sharded for method='ring'" in errors["ring_layout"]
     assert "already has context-parallel attention installed" in errors["installed_twice"]
     assert "layout set last is for 1 row(s) of 8 tokens" in errors["stale_layout"]
+    assert "called with position_ids that are not the shard's" in errors["no_positions"]
     assert "called with an attention_mask under context-parallel attention" in errors["attention_mask"]
     assert errors["uninstalled"] == "sdpa"

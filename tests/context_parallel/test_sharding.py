@@ -91,7 +91,10 @@ def test_rows_without_position_ids_get_global_positions() -> None:
 
 def test_attention_blocks_cover_each_query_within_its_document() -> None:
     layout = shard_batch(packed_batch((5, 9, 4)), 0, 2, "ring").layout  # 18 -> 20, chunks [0, 5) and [15, 20)
-    assert attention_blocks(layout) == [(0, 5, 0, 5), (5, 8, 14, 18), (8, 10, 18, 20)]
+    blocks = attention_blocks(layout)
+    assert [block[:4] for block in blocks] == [(0, 5, 0, 5), (5, 8, 14, 18), (8, 10, 18, 20)]
+    assert blocks[0].mask is None and blocks[2].mask is None  # these start with their document: plain causal
+    assert blocks[1].mask._materialize().tolist() == torch.ones(3, 4, dtype=torch.bool).tril(1).tolist()
 
 
 @pytest.mark.parametrize(
