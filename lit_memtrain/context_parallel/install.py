@@ -78,6 +78,12 @@ class ContextParallelAttention:
                 f"The batch was sharded for method={found[0]!r}, cp_size={found[1]}, cp_rank={found[2]}, but this "
                 f"attention runs {self.method!r} on rank {self._rank} of a group of {self._size}."
             )
+        if self.method == "ulysses" and self.inner == "sdpa" and layout.num_documents > 1:
+            raise ValueError(
+                f"inner attention 'sdpa' is one causal call over the row, but this row holds {layout.num_documents} "
+                f"segments (packed documents, or a collator's padding): they would attend to each other. Use "
+                f"inner={SDPA_BY_DOCUMENT!r} or 'flash_attention_2'."
+            )
         self.layout = layout
         self._positions_checked = False
         if self.method == "ring" and self.ring_backend == "all_gather":

@@ -15,6 +15,7 @@ Inner kernels:
   package).
 - ``"sdpa"``: one causal SDPA call over the row; for rows of a single document only (padding added by
   :func:`~lit_memtrain.context_parallel.shard_batch` sits at the end and cannot be seen by a real token).
+  ``ContextParallelAttention.set_layout`` refuses other rows.
 
 Grouped-query attention: with fewer key/value heads than ranks each key/value head is repeated ``cp /
 kv_heads`` times before the exchange (``repeat_interleave``: replica ``j`` lands on rank ``j``, the rank whose
@@ -54,12 +55,6 @@ def _sdpa(
     module: nn.Module, query: Tensor, key: Tensor, value: Tensor, layout: ShardLayout, scaling: float | None,
     dropout: float,
 ) -> Tensor:  # fmt: skip
-    if layout.num_documents > 1:
-        raise ValueError(
-            f"inner attention 'sdpa' is one causal call over the row, but this row holds {layout.num_documents} "
-            f"segments (packed documents, or a collator's padding): they would attend to each other. Use "
-            f"inner={SDPA_BY_DOCUMENT!r} or 'flash_attention_2'."
-        )
     output, _ = sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, is_causal=True)
     return output
 

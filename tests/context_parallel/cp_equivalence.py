@@ -157,6 +157,10 @@ def misuse(group: dist.ProcessGroup) -> dict[str, str]:
     batch = build_batch(case, model.config.vocab_size)
     shard = shard_batch(batch, rank, size, "ulysses")
     errors = {"flash_missing": _error(lambda: install_attention(model, group, "ulysses", inner="flash_attention_2"))}
+    packed = shard_batch(build_batch(Case("packed", "ulysses", (9, 7)), model.config.vocab_size), rank, size, "ulysses")
+    attention = install_attention(model, group, "ulysses", inner="sdpa")
+    errors["sdpa_packed"] = _error(lambda: attention.set_layout(packed.layout))
+    attention.uninstall()
     attention = install_attention(model, group, "ulysses")
 
     def forward(ids, **kwargs):

@@ -79,6 +79,7 @@ def test_misuse_raises_clear_errors_before_any_exchange(results) -> None:
     assert "flash-attn package" in errors["flash_missing"]
     assert errors["before_set_layout"].startswith("RuntimeError: Context-parallel attention ran before set_layout")
     assert "sharded for method='ring'" in errors["ring_layout"]
+    assert "inner attention 'sdpa' is one causal call over the row, but this row holds 2 segments" in errors["sdpa_packed"]
     assert "already has context-parallel attention installed" in errors["installed_twice"]
     assert "layout set last is for 1 row(s) of 8 tokens" in errors["stale_layout"]
     assert "called with position_ids that are not the shard's" in errors["no_positions"]
