@@ -58,7 +58,8 @@ class ContextParallelAttention:
     def __init__(
         self, model: nn.Module, group: dist.ProcessGroup, method: str, inner: str, ring_backend: str, previous: str
     ) -> None:
-        self.model = model
+        # Weak: the registry's values must not keep its keys (the model's modules) alive.
+        self._model = weakref.ref(model)
         self.group = group
         self.method = method
         self.inner = inner
@@ -91,10 +92,13 @@ class ContextParallelAttention:
 
     def uninstall(self) -> None:
         """Restore the model's previous attention implementation."""
-        for module in self.model.modules():
+        model = self._model()
+        if model is None:
+            return
+        for module in model.modules():
             if _installed.get(module) is self:
                 del _installed[module]
-        self.model.set_attn_implementation(self.previous)
+        model.set_attn_implementation(self.previous)
 
     def __call__(
         self,
