@@ -1,5 +1,5 @@
-"""The GPU machines we benchmark on lack datasets, wandb, jsonargparse and numba: the module, the loss and
-the callbacks must import without them."""
+"""The GPU machines we benchmark on lack datasets, wandb, jsonargparse and numba: the module, the loss,
+the callbacks and context parallelism must import without them."""
 
 import subprocess
 import sys
@@ -7,7 +7,7 @@ import sys
 
 def test_module_loss_and_callbacks_do_not_import_datasets_wandb_jsonargparse_or_numba():
     code = (
-        "import sys, lit_memtrain.module, lit_memtrain.loss, lit_memtrain.callbacks;"
+        "import sys, lit_memtrain.module, lit_memtrain.loss, lit_memtrain.callbacks, lit_memtrain.context_parallel;"
         "print(sorted(m for m in ('datasets', 'wandb', 'jsonargparse', 'numba') if m in sys.modules))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -1,0 +1,106 @@
+"""Ring method for packed rows: gather every rank's keys and values, attend within each document.
+
+Why not torch's ring: torch's ``context_parallel`` rotates K/V blocks through the flash / efficient / cuDNN SDPA
+kernels with a plain causal mask; it takes no mask, so the documents of a packed row would attend to each other
+(accelerate's context-parallel hook does exactly that, silently). It also does not run on CPU. This path keeps
+documents apart on any device: each rank gathers the keys and values of the whole row (``kv_heads`` heads only,
+so with grouped-query attention the gathered part is small next to the queries), then each of its query chunks
+attends, one document at a time, to the keys of that document up to the chunk's last token, causally. The
+causal mask is aligned to the bottom right (a query sees the keys up to its own global position), which SDPA
+takes as a ``CausalBias`` that the CUDA kernels apply without building a mask (on CPU it is materialised, one
+block at a time); where a chunk and its keys start together the plain ``is_causal`` kernel runs.
+
+Memory: the gathered keys and values of the row per layer (``2 x L x kv_heads x head_dim``), which autograd
+keeps for backward unless the layer is checkpointed; the queries, outputs and everything else stay ``L / cp``. Head-tail shards
+(:func:`~lit_memtrain.context_parallel.sharding.rank_chunks`) give every rank the same amount of causal work.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention.bias import CausalBias, causal_lower_right
+
+from lit_memtrain.context_parallel.exchange import gather_sequence
+from lit_memtrain.context_parallel.sharding import ShardLayout
+
+__all__ = ["AttentionBlock", "attention_blocks", "gathered_kv_attention"]
+
+
+class AttentionBlock(NamedTuple):
+    """Local queries ``[query_start, query_stop)`` attend to row keys ``[key_start, key_stop)`` of one document.
+
+    ``mask`` is ``None`` where the block starts with its document (plain causal attention), else the
+    lower-right causal bias. It is made here, once per batch, and not in the forward: ``CausalBias`` is a
+    tensor subclass, which cannot be created under selective checkpointing's dispatch mode.
+    """
+
+    query_start: int
+    query_stop: int
+    key_start: int
+    key_stop: int
+    mask: CausalBias | None
+
+
+def attention_blocks(layout: ShardLayout) -> list[AttentionBlock]:
+    """One block for every (local chunk, document) pair of this rank, in local order, covering the shard."""
+    bounds = layout.cu_seq_lens.tolist()
+    blocks, offset = [], 0
+    for start, stop in layout.chunks:
+        for first, last in zip(bounds[:-1], bounds[1:], strict=True):
+            low, high = max(start, first), min(stop, last)
+            if low < high:
+                mask = None if low == first else causal_lower_right(high - low, high - first)
+                blocks.append(AttentionBlock(offset + low - start, offset + high - start, first, high, mask))
+        offset += stop - start
+    return blocks
+
+
+def gathered_kv_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    layout: ShardLayout,
+    blocks: list[AttentionBlock],
+    group: dist.ProcessGroup,
+    scaling: float | None,
+    dropout: float,
+) -> Tensor:
+    """Document-causal attention of this rank's queries over the whole row's keys and values.
+
+    Args:
+        query: ``[B, heads, local tokens, D]``; key, value: ``[B, kv_heads, local tokens, D]``.
+        layout: the layout of the batch (from :func:`~lit_memtrain.context_parallel.shard_batch`).
+        blocks: ``attention_blocks(layout)``, made outside the forward.
+        group: the context-parallel process group.
+
+    Returns:
+        ``[B, local tokens, heads, D]``, as transformers' attention functions return it.
+    """
+    order = layout.gathered_order()
+    key, value = gather_sequence(key, group, order), gather_sequence(value, group, order)
+    groups = query.shape[1] // key.shape[1]
+    outputs = []
+    for block in blocks:
+        block_key = key[:, :, block.key_start : block.key_stop]
+        block_value = value[:, :, block.key_start : block.key_stop]
+        if block.mask is not None and groups > 1:  # the lower-right kernels take no grouped heads
+            block_key = block_key.repeat_interleave(groups, dim=1)
+            block_value = block_value.repeat_interleave(groups, dim=1)
+        outputs.append(
+            F.scaled_dot_product_attention(
+                query[:, :, block.query_start : block.query_stop],
+                block_key,
+                block_value,
+                attn_mask=block.mask,
+                dropout_p=dropout,
+                is_causal=block.mask is None,
+                scale=scaling,
+                enable_gqa=query.shape[1] != block_key.shape[1],
+            )
+        )
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
