@@ -20,23 +20,31 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torchmetrics import MeanMetric
 from transformers import PreTrainedModel
 
 from lit_memtrain.attention import SDPA_BY_DOCUMENT
 from lit_memtrain.lora import LoraSettings, apply_lora, head_weight
-from lit_memtrain.loss import IGNORE_INDEX, chunked_cross_entropy, cross_entropy
+from lit_memtrain.loss import IGNORE_INDEX, chunked_cross_entropy, cross_entropy, transform_logits
 from lit_memtrain.model_builder import ModelRecipe, build_causal_lm, check_tokenizer_fits_model, export_hf_directory
+from lit_memtrain.probes import LogitTransform, probe_document_isolation, probe_logit_transform
+
 _BATCH_ONLY_KEYS = ("labels", "num_trainable_tokens", "num_tokens", "seq_lengths")
 _VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-_DOCUMENT_AWARE_ATTENTION = frozenset({"eager", "sdpa", "flex_attention", SDPA_BY_DOCUMENT})
+# Attention implementations whose padding-free rows equal per-document runs in this project's tests
+# (tests/test_module_padding_free.py, tests/test_attention.py); any other is probed once at setup.
+_PROVEN_DOCUMENT_ATTENTION = frozenset({"eager", "sdpa", SDPA_BY_DOCUMENT})
 
 
 def shift_targets(labels: Tensor) -> Tensor:
     """Targets aligned with each position: ``labels`` moved left by one, -100 at the last position."""
     return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def _is_padding_free(batch: dict[str, Any]) -> bool:
+    return "position_ids" in batch and "attention_mask" not in batch
 
 
 def _check_attn_implementation(name: str) -> None:
@@ -94,6 +102,14 @@ class CausalLMModule(LightningModule):
 
     The model is built in :meth:`configure_model`, which Lightning calls inside the strategy's device context
     (directly on the training device); outside a ``Trainer``, call ``module.configure_model()`` first.
+
+    Setup probes (:mod:`lit_memtrain.probes`), a few tokens without gradients, run once: in a ``Trainer`` from
+    ``on_fit_start`` / ``on_validation_start`` (the logit probe) and at the first padding-free batch
+    (``on_train_batch_start`` / ``on_validation_batch_start``, the document probe); called directly, from the
+    first :meth:`compute_loss` or :meth:`token_losses`. The chunked loss applies the logit scale and cap the
+    model applies after its LM head, or refuses a model it cannot reproduce (naming ``loss_type="nll"``);
+    padding-free batches with an attention implementation not proven by this project's tests must keep two
+    packed documents apart, or the run stops with an error.
 
     Example:
         >>> module = CausalLMModule(preset="tiny-qwen3", tokenizer="lit-memtrain/embedded")
@@ -157,6 +173,8 @@ class CausalLMModule(LightningModule):
         self.first_train_loss: float | None = None
         self.last_train_loss: float | None = None
         self._step_started_at: float | None = None
+        self._logit_transform: LogitTransform | None = None
+        self._isolation_proven_for: str | None = None
         self.val_token_nll = MeanMetric()
         self.val_token_accuracy = MeanMetric()
 
@@ -176,8 +194,7 @@ class CausalLMModule(LightningModule):
 
     def _model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
         inputs = {k: v for k, v in batch.items() if k not in _BATCH_ONLY_KEYS and k not in _VARLEN_KEYS}
-        if "position_ids" in batch and "attention_mask" not in batch:
-            self._check_documents_stay_apart(batch)
+        if _is_padding_free(batch):
             name = self.model.config._attn_implementation
             if "flash" in name:
                 inputs.update({k: batch[k] for k in _VARLEN_KEYS if k in batch})
@@ -186,34 +203,37 @@ class CausalLMModule(LightningModule):
         inputs["use_cache"] = False
         return inputs
 
-    def _check_documents_stay_apart(self, batch: dict[str, Any]) -> None:
-        """Padding-free rows rely on the attention implementation splitting documents at position restarts.
+    def run_setup_probes(self, batch: dict[str, Any] | None = None) -> None:
+        """Run, once each, the probes this module's loss and ``batch`` need (see the class docstring).
 
-        transformers does that for eager, sdpa and flex_attention (from ``position_ids``, with no attention mask
-        and no cache) and for flash-attention kernels (varlen, from ``cu_seq_lens``); any other implementation
-        would let packed documents attend to each other, so it is refused rather than trained on.
+        Padding-free rows rely on the attention implementation splitting documents at position restarts;
+        transformers' eager and sdpa and our ``sdpa_by_document`` are proven to by tests, any other (a new
+        kernel, a registered function, a ``trust_remote_code`` model building its own mask) is probed.
         """
-        name = self.model.config._attn_implementation
-        if name in _DOCUMENT_AWARE_ATTENTION or "flash" in name:
+        if self.hparams.loss_type == "chunked" and self._logit_transform is None:
+            self._logit_transform = probe_logit_transform(self.model)
+            if self._logit_transform != LogitTransform():
+                rank_zero_info(f"chunked loss: applying the model's logit transform {self._logit_transform}")
+        if batch is None or not _is_padding_free(batch):
             return
-        raise ValueError(
-            f"attn_implementation={name!r} is not known to keep packed documents apart in a padding-free batch, "
-            f"so documents would attend to each other. Use one of {sorted(_DOCUMENT_AWARE_ATTENTION)} or a "
-            "flash-attention kernel, or turn off packing/padding_free."
-        )
+        name = self.model.config._attn_implementation
+        if name in _PROVEN_DOCUMENT_ATTENTION or name == self._isolation_proven_for:
+            return
+        probe_document_isolation(self.model, self._model_inputs, name)
+        rank_zero_info(f"attn_implementation={name!r} keeps packed documents apart (probed at setup)")
+        self._isolation_proven_for = name
+
+    def on_fit_start(self) -> None:
+        self.run_setup_probes()
+
+    def on_validation_start(self) -> None:
+        self.run_setup_probes()
+
+    def on_validation_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.run_setup_probes(batch)
 
     def _lm_head_weight(self) -> tuple[Tensor, Tensor | None]:
         return head_weight(self.model.get_output_embeddings())
-
-    def _softcap(self) -> float | None:
-        config = self.model.config
-        for unsupported in ("logit_scale", "logits_scaling"):
-            if getattr(config, unsupported, None) not in (None, 1, 1.0):
-                raise ValueError(
-                    f"This model scales its logits ({unsupported}={getattr(config, unsupported)}), which the chunked "
-                    "loss does not replicate. Use loss_type='nll'."
-                )
-        return getattr(config, "final_logit_softcapping", None)
 
     def _hidden_and_head(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor | None]:
         decoder = self.model.get_decoder()
@@ -225,18 +245,21 @@ class CausalLMModule(LightningModule):
 
     def compute_loss(self, batch: dict[str, Any], num_items: int | Tensor | None = None) -> Tensor:
         """Mean cross-entropy over the batch's trainable target tokens (or divided by ``num_items``)."""
+        self.run_setup_probes(batch)
         targets = shift_targets(batch["labels"]).flatten()
         if self.hparams.loss_type == "nll":
             logits = self.model(**self._model_inputs(batch)).logits
             return cross_entropy(logits.flatten(0, 1), targets, num_items)
         hidden, weight, bias = self._hidden_and_head(batch)
+        transform = self._logit_transform
         return chunked_cross_entropy(
-            hidden, weight, targets, num_items, self.hparams.loss_chunk_size, self._softcap(), bias
+            hidden, weight, targets, num_items, self.hparams.loss_chunk_size, transform.softcap, bias, transform.scale
         )
 
     @torch.no_grad()
     def token_losses(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor]:
         """Per-token loss, correctness of the argmax prediction, and position in document, for trainable targets."""
+        self.run_setup_probes(batch)
         targets = shift_targets(batch["labels"]).flatten()
         keep = targets != IGNORE_INDEX
         if "position_ids" in batch:
@@ -246,16 +269,15 @@ class CausalLMModule(LightningModule):
             positions = positions.flatten()
         if self.hparams.loss_type == "nll":
             hidden = self.model(**self._model_inputs(batch)).logits.flatten(0, 1)[keep]
-            weight, bias, softcap = None, None, None
+            weight, bias, transform = None, None, LogitTransform()
         else:
             hidden, weight, bias = self._hidden_and_head(batch)
-            hidden, softcap = hidden[keep], self._softcap()
+            hidden, transform = hidden[keep], self._logit_transform
         losses, correct = [], []
         for start in range(0, hidden.shape[0], self.hparams.loss_chunk_size):
             rows = hidden[start : start + self.hparams.loss_chunk_size]
             logits = rows.float() if weight is None else F.linear(rows, weight, bias).float()
-            if softcap:
-                logits = softcap * torch.tanh(logits / softcap)
+            logits = transform_logits(logits, transform.softcap, transform.scale)
             chunk_targets = targets[keep][start : start + self.hparams.loss_chunk_size]
             losses.append(F.cross_entropy(logits, chunk_targets, reduction="none"))
             correct.append(logits.argmax(-1) == chunk_targets)
@@ -318,6 +340,7 @@ class CausalLMModule(LightningModule):
         self._step_trainable_tokens = 0
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.run_setup_probes(batch)
         self._step_started_at = time.perf_counter()
         self._step_tokens = self.count_tokens(batch)
 
