@@ -29,6 +29,7 @@ from lit_memtrain.attention import SDPA_BY_DOCUMENT
 from lit_memtrain.lora import LoraSettings, apply_lora, head_weight
 from lit_memtrain.loss import IGNORE_INDEX, chunked_cross_entropy, cross_entropy, transform_logits
 from lit_memtrain.model_builder import ModelRecipe, build_causal_lm, check_tokenizer_fits_model, export_hf_directory
+from lit_memtrain.moe import load_balancing_loss, router_aux_coefficient
 from lit_memtrain.probes import LogitTransform, probe_document_isolation, probe_logit_transform
 
 _BATCH_ONLY_KEYS = ("labels", "num_trainable_tokens", "num_tokens", "seq_lengths")
@@ -86,6 +87,8 @@ class CausalLMModule(LightningModule):
             "original_max_position_embeddings": 40960}}``.
         loss_type: ``chunked`` (never materialises the logits) or ``nll`` (plain logits + cross-entropy).
         loss_chunk_size: rows per chunk of the chunked loss.
+        router_aux_loss_coef: weight of a mixture-of-experts model's router load-balancing loss in the training
+            loss; ``None`` takes the model config's ``router_aux_loss_coef``, 0 turns it off.
         learning_rate, weight_decay, betas: AdamW settings; no decay on biases and norm weights.
         warmup: warmup steps (int) or fraction of the total steps (float < 1), then cosine decay
             to ``min_lr_ratio * learning_rate``.
@@ -129,6 +132,7 @@ class CausalLMModule(LightningModule):
         model_init_kwargs: dict[str, Any] | None = None,
         loss_type: Literal["chunked", "nll"] = "chunked",
         loss_chunk_size: int = 1024,
+        router_aux_loss_coef: float | None = None,
         learning_rate: float = 2e-5,
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.999),
@@ -156,6 +160,8 @@ class CausalLMModule(LightningModule):
             raise ValueError(f"loss_type must be 'chunked' or 'nll', got {loss_type!r}.")
         if loss_chunk_size < 1:
             raise ValueError(f"loss_chunk_size must be a positive number of rows, got {loss_chunk_size}.")
+        if router_aux_loss_coef is not None and router_aux_loss_coef < 0:
+            raise ValueError(f"router_aux_loss_coef must be >= 0 (0 turns it off), got {router_aux_loss_coef}.")
         if warmup < 0 or not 0 <= min_lr_ratio <= 1:
             raise ValueError(f"warmup must be >= 0 and min_lr_ratio in [0, 1]; got {warmup} and {min_lr_ratio}.")
         _check_attn_implementation(attn_implementation)
@@ -235,26 +241,63 @@ class CausalLMModule(LightningModule):
     def _lm_head_weight(self) -> tuple[Tensor, Tensor | None]:
         return head_weight(self.model.get_output_embeddings())
 
-    def _hidden_and_head(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor | None]:
+    def _hidden_and_head(
+        self, batch: dict[str, Any], output_router_logits: bool = False
+    ) -> tuple[Tensor, Tensor, Tensor | None, tuple[Tensor, ...] | None]:
+        """Final hidden states [N, H], the LM head's weight and bias, and the router logits when asked for."""
         decoder = self.model.get_decoder()
-        hidden = decoder(**self._model_inputs(batch)).last_hidden_state
+        inputs = self._model_inputs(batch)
+        if output_router_logits:
+            inputs["output_router_logits"] = True
+        outputs = decoder(**inputs)
+        hidden = outputs.last_hidden_state
         weight, bias = self._lm_head_weight()
         # A LoRA head keeps fp32 adapters on a bf16 base: compute the loss in the hidden states' dtype.
         bias = bias.to(hidden.dtype) if bias is not None else None
-        return hidden.flatten(0, 1), weight.to(hidden.dtype), bias
+        router_logits = getattr(outputs, "router_logits", None) if output_router_logits else None
+        return hidden.flatten(0, 1), weight.to(hidden.dtype), bias, router_logits
+
+    def router_aux_weight(self) -> float:
+        """Weight of the router load-balancing loss: ``router_aux_loss_coef``, else the model config's; 0 for a
+        model without routers."""
+        return router_aux_coefficient(self.model, self.hparams.router_aux_loss_coef)
 
     def compute_loss(self, batch: dict[str, Any], num_items: int | Tensor | None = None) -> Tensor:
-        """Mean cross-entropy over the batch's trainable target tokens (or divided by ``num_items``)."""
+        """Mean cross-entropy over the batch's trainable target tokens (or divided by ``num_items``), plus the
+        router load-balancing loss of a mixture-of-experts model.
+
+        The load-balancing loss is the model's own (``router_aux_weight() * aux``), weighted by this
+        batch's share of the ``num_items`` trainable tokens, like its cross-entropy terms: with ``num_items``
+        left out the result is the model's own loss; summed over the micro-batches of a step it is the mean
+        cross-entropy plus the token-weighted mean of the micro-batches' load-balancing losses.
+        """
         self.run_setup_probes(batch)
         targets = shift_targets(batch["labels"]).flatten()
+        coefficient = self.router_aux_weight()
         if self.hparams.loss_type == "nll":
-            logits = self.model(**self._model_inputs(batch)).logits
-            return cross_entropy(logits.flatten(0, 1), targets, num_items)
-        hidden, weight, bias = self._hidden_and_head(batch)
-        transform = self._logit_transform
-        return chunked_cross_entropy(
-            hidden, weight, targets, num_items, self.hparams.loss_chunk_size, transform.softcap, bias, transform.scale
-        )
+            inputs = self._model_inputs(batch)
+            if coefficient:
+                inputs["output_router_logits"] = True
+            outputs = self.model(**inputs)
+            loss = cross_entropy(outputs.logits.flatten(0, 1), targets, num_items)
+            aux = getattr(outputs, "aux_loss", None) if coefficient else None
+        else:
+            hidden, weight, bias, router_logits = self._hidden_and_head(batch, output_router_logits=bool(coefficient))
+            transform = self._logit_transform
+            loss = chunked_cross_entropy(
+                hidden, weight, targets, num_items, self.hparams.loss_chunk_size, transform.softcap, bias, transform.scale
+            )
+            aux = load_balancing_loss(self.model, router_logits, batch.get("attention_mask")) if coefficient else None
+        if not coefficient:
+            return loss
+        if aux is None:
+            raise ValueError(
+                f"{type(self.model).__name__} has routers but returned no aux_loss with output_router_logits=True; "
+                "set router_aux_loss_coef=0 to train without the load-balancing loss."
+            )
+        trainable = (targets != IGNORE_INDEX).sum()
+        share = trainable / (trainable if num_items is None else torch.as_tensor(num_items, device=trainable.device)).clamp(min=1)
+        return loss + coefficient * aux.to(loss.device) * share
 
     @torch.no_grad()
     def token_losses(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor]:
@@ -271,7 +314,7 @@ class CausalLMModule(LightningModule):
             hidden = self.model(**self._model_inputs(batch)).logits.flatten(0, 1)[keep]
             weight, bias, transform = None, None, LogitTransform()
         else:
-            hidden, weight, bias = self._hidden_and_head(batch)
+            hidden, weight, bias, _ = self._hidden_and_head(batch)
             hidden, transform = hidden[keep], self._logit_transform
         losses, correct = [], []
         for start in range(0, hidden.shape[0], self.hparams.loss_chunk_size):
