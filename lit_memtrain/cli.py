@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from typing import Any
 
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple
+from torch.optim import Optimizer
 
 from lit_memtrain.allocator import enable_expandable_segments
 from lit_memtrain.datamodules.sft import SFTDataModule
@@ -25,11 +27,33 @@ lit-memtrain subcommands of its own:
 """
 
 
+def _as_dict(spec: Any) -> dict[str, Any] | None:
+    """A parsed ``--optimizer`` / ``--lr_scheduler`` (class_path and init_args) as the module's plain dict."""
+    return spec.as_dict() if spec else None
+
+
 class MemTrainCLI(LightningCLI):
-    """LightningCLI for :class:`CausalLMModule` and :class:`SFTDataModule`."""
+    """LightningCLI for :class:`CausalLMModule` and :class:`SFTDataModule`.
+
+    ``--optimizer`` / ``--lr_scheduler`` take any ``torch.optim`` optimizer / scheduler (and
+    :mod:`lit_memtrain.optim`'s 8-bit and paged AdamW), linked to the module's ``optimizer`` / ``lr_scheduler``
+    as Lightning documents for modules that build their own optimizer: the model is built in
+    ``configure_model``, after the CLI would instantiate them, and biases and norm weights keep no weight
+    decay. Without them: AdamW and warmup-cosine.
+    """
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("data.tokenizer", "model.tokenizer")
+        parser.add_optimizer_args((Optimizer,), link_to="model.optimizer")
+        parser.add_lr_scheduler_args(LRSchedulerTypeTuple, link_to="model.lr_scheduler")
+
+    @staticmethod
+    def link_optimizers_and_lr_schedulers(parser) -> None:
+        """Link each ``--optimizer`` / ``--lr_scheduler`` given a ``link_to`` as a plain dict (Lightning links
+        a namespace, which a ``dict`` argument does not accept)."""
+        for key, (_, link_to) in {**parser._optimizers, **parser._lr_schedulers}.items():
+            if link_to != "AUTOMATIC":
+                parser.link_arguments(key, link_to, compute_fn=_as_dict)
 
 
 def _generate(argv: list[str]) -> None:
@@ -118,7 +142,6 @@ def main(argv: list[str] | None = None) -> None:
         SFTDataModule,
         save_config_kwargs={"overwrite": True},
         args=argv,
-        auto_configure_optimizers=False,
     )
 
 

@@ -30,6 +30,7 @@ from lit_memtrain.lora import LoraSettings, apply_lora, head_weight
 from lit_memtrain.loss import IGNORE_INDEX, chunked_cross_entropy, cross_entropy, transform_logits
 from lit_memtrain.model_builder import ModelRecipe, build_causal_lm, check_tokenizer_fits_model, export_hf_directory
 from lit_memtrain.moe import load_balancing_loss, router_aux_coefficient
+from lit_memtrain.optim import instantiate
 from lit_memtrain.probes import LogitTransform, probe_document_isolation, probe_logit_transform
 
 _BATCH_ONLY_KEYS = ("labels", "num_trainable_tokens", "num_tokens", "seq_lengths")
@@ -42,6 +43,14 @@ _PROVEN_DOCUMENT_ATTENTION = frozenset({"eager", "sdpa", SDPA_BY_DOCUMENT})
 def shift_targets(labels: Tensor) -> Tensor:
     """Targets aligned with each position: ``labels`` moved left by one, -100 at the last position."""
     return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def _plain_spec(spec: Any) -> dict[str, Any] | None:
+    """A ``{"class_path", "init_args"}`` spec (dict or jsonargparse namespace) as nested plain dicts."""
+    if spec is None:
+        return None
+    as_dict = spec.as_dict() if hasattr(spec, "as_dict") else dict(spec)
+    return {"class_path": as_dict["class_path"], "init_args": dict(as_dict.get("init_args") or {})}
 
 
 def _is_padding_free(batch: dict[str, Any]) -> bool:
@@ -92,6 +101,12 @@ class CausalLMModule(LightningModule):
         learning_rate, weight_decay, betas: AdamW settings; no decay on biases and norm weights.
         warmup: warmup steps (int) or fraction of the total steps (float < 1), then cosine decay
             to ``min_lr_ratio * learning_rate``.
+        optimizer: another optimizer, as ``{"class_path": "torch.optim.SGD", "init_args": {"lr": 0.1}}`` (any
+            ``torch.optim`` class, or :mod:`lit_memtrain.optim`'s 8-bit / paged AdamW); its own init args apply
+            (``learning_rate``, ``weight_decay`` and ``betas`` are the default AdamW's), biases and norm weights
+            still get no weight decay. ``lit-memtrain fit`` links ``--optimizer`` here.
+        lr_scheduler: another schedule, as ``{"class_path": ..., "init_args": {...}}``, stepped every optimizer
+            step, in place of warmup-cosine. ``lit-memtrain fit`` links ``--lr_scheduler`` here.
 
         lora: train a LoRA adapter instead of all weights (:class:`~lit_memtrain.lora.LoraSettings`);
             with ``quantize`` the base is loaded in 4 or 8 bits (QLoRA, CUDA only). When the base comes from
@@ -138,6 +153,8 @@ class CausalLMModule(LightningModule):
         betas: tuple[float, float] = (0.9, 0.999),
         warmup: float = 0.03,
         min_lr_ratio: float = 0.1,
+        optimizer: dict[str, Any] | None = None,
+        lr_scheduler: dict[str, Any] | None = None,
         lora: LoraSettings | None = None,
         export_dir: str | None = None,
         trust_remote_code: bool = False,
@@ -165,6 +182,8 @@ class CausalLMModule(LightningModule):
         if warmup < 0 or not 0 <= min_lr_ratio <= 1:
             raise ValueError(f"warmup must be >= 0 and min_lr_ratio in [0, 1]; got {warmup} and {min_lr_ratio}.")
         _check_attn_implementation(attn_implementation)
+        # LightningCLI links --optimizer / --lr_scheduler as namespaces: keep plain dicts in the hyper-parameters.
+        optimizer, lr_scheduler = _plain_spec(optimizer), _plain_spec(lr_scheduler)
         self.lora = lora
         self.save_hyperparameters()
         from lit_memtrain.tokenizer import load_tokenizer
@@ -412,6 +431,8 @@ class CausalLMModule(LightningModule):
             self.val_token_accuracy.reset()
 
     def configure_optimizers(self) -> dict[str, Any]:
+        """AdamW (or ``optimizer``) with no weight decay on biases and norm weights, stepped every optimizer
+        step by the warmup-cosine schedule (or ``lr_scheduler``)."""
         hp = self.hparams
         trainable = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
         low_precision = [n for n, p in trainable if p.dtype in (torch.bfloat16, torch.float16)]
@@ -424,12 +445,21 @@ class CausalLMModule(LightningModule):
             )
         decay = [p for n, p in trainable if p.ndim >= 2]
         no_decay = [p for n, p in trainable if p.ndim < 2]
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=hp.learning_rate,
-            betas=tuple(hp.betas),
-            fused=_fused_adamw_supported([p for _, p in trainable]),
-        )
+        if hp.optimizer:  # its own init args, weight_decay included, apply to the decayed group
+            optimizer = instantiate(hp.optimizer, [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}])
+        else:
+            optimizer = torch.optim.AdamW(
+                [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+                lr=hp.learning_rate,
+                betas=tuple(hp.betas),
+                fused=self._fused_adamw_allowed([p for _, p in trainable]),
+            )
+        if hp.lr_scheduler:
+            scheduler = instantiate(hp.lr_scheduler, optimizer)
+            config = {"scheduler": scheduler, "interval": "step"}
+            if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                config["monitor"] = getattr(scheduler, "monitor", "train/loss")
+            return {"optimizer": optimizer, "lr_scheduler": config}
         total = max(1, int(self.trainer.estimated_stepping_batches))
         warmup = int(hp.warmup * total) if hp.warmup < 1 else int(hp.warmup)
 
@@ -441,6 +471,15 @@ class CausalLMModule(LightningModule):
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _fused_adamw_allowed(self, params: list[Tensor]) -> bool:
+        """Fused AdamW where its kernel runs and Lightning's precision plugin accepts it: an fp16 GradScaler
+        (``precision="16-mixed"``) cannot clip the gradients of an optimizer that unscales them itself."""
+        if not _fused_adamw_supported(params):
+            return False
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        clipping = bool(self.trainer.gradient_clip_val)
+        return not (scaler is not None and clipping)
 
     def on_train_end(self) -> None:
         if self.first_train_loss is not None:
