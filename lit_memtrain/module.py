@@ -32,6 +32,7 @@ from lit_memtrain.model_builder import ModelRecipe, build_causal_lm, check_token
 from lit_memtrain.moe import load_balancing_loss, router_aux_coefficient
 from lit_memtrain.optim import instantiate
 from lit_memtrain.probes import LogitTransform, probe_document_isolation, probe_logit_transform
+from lit_memtrain.throughput import attention_pairs, count_tokens, peak_flops, training_flops
 
 _BATCH_ONLY_KEYS = ("labels", "num_trainable_tokens", "num_tokens", "seq_lengths")
 _VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -43,6 +44,11 @@ _PROVEN_DOCUMENT_ATTENTION = frozenset({"eager", "sdpa", SDPA_BY_DOCUMENT})
 def shift_targets(labels: Tensor) -> Tensor:
     """Targets aligned with each position: ``labels`` moved left by one, -100 at the last position."""
     return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _plain_spec(spec: Any) -> dict[str, Any] | None:
@@ -113,6 +119,12 @@ class CausalLMModule(LightningModule):
             ``model``, checkpoints hold only the adapter.
         export_dir: at the end of fit, write a Hugging Face directory (model + tokenizer, adapter merged) here.
         trust_remote_code: passed to ``from_pretrained`` / ``from_config``.
+
+    Logged while training: ``train/loss`` and ``train/ppl`` (each micro-batch's), ``train/tokens``, and every
+    ``log_every_n_steps`` optimizer steps (the only device sync for it; no ``.item()`` per micro-batch)
+    ``train/tokens_per_sec`` (all ranks), ``train/device/tokens_per_sec``, ``train/device/flops_per_sec`` and,
+    on accelerators in Lightning's table of peak FLOP/s (not on CPU), ``train/device/mfu`` (model FLOPs
+    utilisation: :mod:`lit_memtrain.throughput`).
 
     Loss normalisation: every optimizer step trains on the mean loss of all its trainable target tokens,
     across gradient-accumulation micro-batches and DDP ranks, so each token weighs the same however the
@@ -195,9 +207,12 @@ class CausalLMModule(LightningModule):
         self.train_tokens_seen = 0
         self._step_trainable_tokens: Tensor | int = 0
         self._rescale_gradients = False
-        self.first_train_loss: float | None = None
-        self.last_train_loss: float | None = None
-        self._step_started_at: float | None = None
+        self._first_loss: Tensor | None = None
+        self._last_loss: Tensor | None = None
+        self._window_started_at = 0.0
+        self._window_tokens = self._window_pairs = 0
+        self._measured_at_step = 0
+        self._throughput: dict[str, float] = {}
         self._logit_transform: LogitTransform | None = None
         self._isolation_proven_for: str | None = None
         self.val_token_nll = MeanMetric()
@@ -352,12 +367,8 @@ class CausalLMModule(LightningModule):
 
     @staticmethod
     def count_tokens(batch: dict[str, Any]) -> int:
-        """Real (non-padding) input tokens in a batch."""
-        if "num_tokens" in batch:
-            return int(batch["num_tokens"])
-        if "attention_mask" in batch:
-            return int(batch["attention_mask"].sum())
-        return batch["input_ids"].numel()
+        """Real (non-padding) input tokens in a batch (a device sync when they are counted on a device)."""
+        return int(count_tokens(batch))
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         # With several micro-batches or ranks per step, the loss returned for backward is the sum of token
@@ -372,13 +383,11 @@ class CausalLMModule(LightningModule):
         else:  # one micro-batch on one device: its own mean is the step's mean
             loss = self.compute_loss(batch)
             mean = loss.detach()
-        self.train_tokens_seen += self.count_tokens(batch)
-        value = mean.item()
-        if self.first_train_loss is None:
-            self.first_train_loss = value
-        self.last_train_loss = value
+        if self._first_loss is None:  # kept on the device: reading it now would wait for the step to finish
+            self._first_loss = mean
+        self._last_loss = mean
         self.log("train/loss", mean, prog_bar=True)
-        self.log("train/ppl", math.exp(min(value, 50.0)))
+        self.log("train/ppl", torch.exp(mean.clamp(max=50.0)))
         self.log("train/tokens", float(self.train_tokens_seen))
         return loss
 
@@ -401,16 +410,81 @@ class CausalLMModule(LightningModule):
                     param.grad.mul_(factor.to(param.grad.device, param.grad.dtype))
         self._step_trainable_tokens = 0
 
+    @property
+    def first_train_loss(self) -> float | None:
+        """Mean loss of the first training micro-batch (read from the device when asked for)."""
+        return None if self._first_loss is None else float(self._first_loss)
+
+    @first_train_loss.setter
+    def first_train_loss(self, value: float | None) -> None:
+        self._first_loss = None if value is None else torch.tensor(value)
+
+    @property
+    def last_train_loss(self) -> float | None:
+        """Mean loss of the latest training micro-batch (read from the device when asked for)."""
+        return None if self._last_loss is None else float(self._last_loss)
+
+    @last_train_loss.setter
+    def last_train_loss(self, value: float | None) -> None:
+        self._last_loss = None if value is None else torch.tensor(value)
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Count a training batch's tokens and attention pairs while it is still in host memory (no sync)."""
+        if self._trainer is not None and self.trainer.training and isinstance(batch, dict):
+            tokens = int(count_tokens(batch))
+            self.train_tokens_seen += tokens
+            self._window_tokens += tokens
+            self._window_pairs += attention_pairs(batch)
+        return batch
+
+    def on_train_start(self) -> None:
+        _synchronize(self.device)
+        self._window_started_at, self._window_tokens, self._window_pairs = time.perf_counter(), 0, 0
+        self._measured_at_step = self.trainer.global_step
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.run_setup_probes(batch)
-        self._step_started_at = time.perf_counter()
-        self._step_tokens = self.count_tokens(batch)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        elapsed = time.perf_counter() - self._step_started_at
-        if elapsed > 0:
-            tokens_per_sec = self._step_tokens * self.trainer.world_size / elapsed
-            self.log("train/tokens_per_sec", tokens_per_sec, prog_bar=True)
+        """Measure throughput every ``log_every_n_steps`` optimizer steps (and at the last), the only time the
+        device is synchronised for it; log the latest measurement at every batch."""
+        step = self.trainer.global_step
+        last = 0 < self.trainer.max_steps <= step
+        if step != self._measured_at_step and (step % self.trainer.log_every_n_steps == 0 or last):
+            self._throughput = self._measure_throughput()
+            self._measured_at_step = step
+        for name, value in self._throughput.items():
+            self.log(name, value, prog_bar=name == "train/tokens_per_sec")
+
+    def _measure_throughput(self) -> dict[str, float]:
+        """Tokens/s over all ranks and per device, model FLOP/s per device and, where the device's peak is
+        known (not on CPU), model FLOPs utilisation, since the last measurement."""
+        _synchronize(self.device)
+        now = time.perf_counter()
+        elapsed = max(now - self._window_started_at, 1e-9)
+        tokens = self._window_tokens
+        total = tokens
+        if self.trainer.world_size > 1:
+            total = int(self.trainer.strategy.reduce(torch.tensor(tokens, device=self.device), reduce_op="sum"))
+        flops_per_sec = training_flops(self.model, tokens, self._window_pairs) / elapsed
+        metrics = {
+            "train/tokens_per_sec": total / elapsed,
+            "train/device/tokens_per_sec": tokens / elapsed,
+            "train/device/flops_per_sec": flops_per_sec,
+        }
+        peak = peak_flops(self.device, self._compute_dtype())
+        if peak:
+            metrics["train/device/mfu"] = flops_per_sec / peak
+        self._window_started_at, self._window_tokens, self._window_pairs = now, 0, 0
+        return metrics
+
+    def _compute_dtype(self) -> torch.dtype:
+        precision = str(self.trainer.precision)
+        if precision.startswith("bf16"):
+            return torch.bfloat16
+        if precision.startswith("16"):
+            return torch.float16
+        return self.model.dtype
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Tensor]:
         losses, correct, positions = self.token_losses(batch)
