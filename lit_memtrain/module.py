@@ -204,13 +204,14 @@ class CausalLMModule(LightningModule):
         self.model: PreTrainedModel | None = None
         self.adapter_only_checkpoints = lora is not None and bool(model)
         self.strict_loading = not self.adapter_only_checkpoints
-        self.train_tokens_seen = 0
+        self._tokens_seen: int | Tensor = 0
         self._step_trainable_tokens: Tensor | int = 0
         self._rescale_gradients = False
         self._first_loss: Tensor | None = None
         self._last_loss: Tensor | None = None
         self._window_started_at = 0.0
-        self._window_tokens = self._window_pairs = 0
+        self._window_tokens: int | Tensor = 0
+        self._window_pairs: int | Tensor = 0
         self._measured_at_step = 0
         self._throughput: dict[str, float] = {}
         self._logit_transform: LogitTransform | None = None
@@ -388,7 +389,8 @@ class CausalLMModule(LightningModule):
         self._last_loss = mean
         self.log("train/loss", mean, prog_bar=True)
         self.log("train/ppl", torch.exp(mean.clamp(max=50.0)))
-        self.log("train/tokens", float(self.train_tokens_seen))
+        seen = self._tokens_seen
+        self.log("train/tokens", seen.float() if isinstance(seen, Tensor) else float(seen))
         return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -428,14 +430,14 @@ class CausalLMModule(LightningModule):
     def last_train_loss(self, value: float | None) -> None:
         self._last_loss = None if value is None else torch.tensor(value)
 
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Count a training batch's tokens and attention pairs while it is still in host memory (no sync)."""
-        if self._trainer is not None and self.trainer.training and isinstance(batch, dict):
-            tokens = int(count_tokens(batch))
-            self.train_tokens_seen += tokens
-            self._window_tokens += tokens
-            self._window_pairs += attention_pairs(batch)
-        return batch
+    @property
+    def train_tokens_seen(self) -> int:
+        """Real tokens of all training batches so far, this rank (read from the device when asked for)."""
+        return int(self._tokens_seen)
+
+    @train_tokens_seen.setter
+    def train_tokens_seen(self, value: int) -> None:
+        self._tokens_seen = value
 
     def on_train_start(self) -> None:
         _synchronize(self.device)
@@ -444,6 +446,10 @@ class CausalLMModule(LightningModule):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.run_setup_probes(batch)
+        tokens = count_tokens(batch)  # device tensors when counted there, read at the next measurement only
+        self._tokens_seen = self._tokens_seen + tokens
+        self._window_tokens = self._window_tokens + tokens
+        self._window_pairs = self._window_pairs + attention_pairs(batch)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Measure throughput every ``log_every_n_steps`` optimizer steps (and at the last), the only time the
@@ -462,7 +468,7 @@ class CausalLMModule(LightningModule):
         _synchronize(self.device)
         now = time.perf_counter()
         elapsed = max(now - self._window_started_at, 1e-9)
-        tokens = self._window_tokens
+        tokens = int(self._window_tokens)
         total = tokens
         if self.trainer.world_size > 1:
             total = int(self.trainer.strategy.reduce(torch.tensor(tokens, device=self.device), reduce_op="sum"))

@@ -39,21 +39,23 @@ def count_tokens(batch: Mapping[str, Any]) -> int | Tensor:
     return batch["input_ids"].numel()
 
 
-def attention_pairs(batch: Mapping[str, Any]) -> int:
-    """Query-key pairs causal attention computes for a host batch: ``sum of L * (L + 1) / 2`` over documents.
+def attention_pairs(batch: Mapping[str, Any]) -> int | Tensor:
+    """Query-key pairs causal attention computes for a batch: ``sum of L * (L + 1) / 2`` over its documents;
+    an ``int`` when the documents' lengths are on the host, else a 0-d tensor on their device.
 
     Documents are the segments of ``cu_seq_lens_q`` (padding-free rows), else the rows' real lengths
     (``attention_mask``), else whole rows.
     """
     if "cu_seq_lens_q" in batch:
-        bounds = torch.as_tensor(batch["cu_seq_lens_q"], device="cpu").long()
+        bounds = torch.as_tensor(batch["cu_seq_lens_q"]).long()
         lengths = bounds[1:] - bounds[:-1]
     elif "attention_mask" in batch:
-        lengths = torch.as_tensor(batch["attention_mask"], device="cpu").sum(dim=-1).long()
+        lengths = batch["attention_mask"].sum(dim=-1).long()
     else:
         ids = batch["input_ids"]
         lengths = torch.full((ids.shape[0] if ids.dim() > 1 else 1,), ids.shape[-1], dtype=torch.long)
-    return int((lengths * (lengths + 1) // 2).sum())
+    pairs = (lengths * (lengths + 1) // 2).sum()
+    return int(pairs) if pairs.device.type == "cpu" else pairs
 
 
 def matmul_parameters(model: nn.Module) -> float:
@@ -74,12 +76,12 @@ def matmul_parameters(model: nn.Module) -> float:
     return total
 
 
-def training_flops(model: nn.Module, tokens: int, pairs: int) -> float:
+def training_flops(model: nn.Module, tokens: int | Tensor, pairs: int | Tensor) -> float:
     """Model FLOPs of one training pass (forward and backward) over ``tokens`` with ``pairs`` attention pairs."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     width = config.num_attention_heads * head_dim
-    return 6.0 * matmul_parameters(model) * tokens + 12.0 * config.num_hidden_layers * width * pairs
+    return 6.0 * matmul_parameters(model) * int(tokens) + 12.0 * config.num_hidden_layers * width * int(pairs)
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
