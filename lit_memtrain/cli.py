@@ -8,6 +8,7 @@ arguments (also in the ``--key=value`` form a W&B sweep agent passes). The token
 from __future__ import annotations
 
 import argparse
+import pickle
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -17,7 +18,7 @@ from torch.optim import Optimizer
 
 from lit_memtrain.allocator import enable_expandable_segments
 from lit_memtrain.datamodules.sft import SFTDataModule
-from lit_memtrain.module import CausalLMModule
+from lit_memtrain.module import CausalLMModule, load_checkpoint
 
 _OWN_SUBCOMMANDS_HELP = """
 lit-memtrain subcommands of its own:
@@ -89,7 +90,10 @@ def _export(argv: list[str]) -> None:
     parser.add_argument("--checkpoint", required=True, help="a .ckpt written by lit-memtrain fit")
     parser.add_argument("--output", required=True, help="directory to write (save_pretrained layout)")
     args = parser.parse_args(argv)
-    module = CausalLMModule.load_from_checkpoint(args.checkpoint, map_location="cpu", weights_only=False)
+    try:
+        module = load_checkpoint(args.checkpoint)
+    except pickle.UnpicklingError as error:
+        parser.error(str(error).splitlines()[0])
     print(f"exported {args.checkpoint} to {module.export(args.output)}")
 
 

@@ -46,6 +46,11 @@ class LoraSettings:
             raise ValueError(f"quantize must be '4bit', '8bit' or None, got {self.quantize!r}.")
 
 
+# Hyper-parameters saved in checkpoints hold LoraSettings: allow it in torch.load(weights_only=True), which
+# lit-memtrain export uses and Lightning's resume does by default (torch >= 2.6).
+torch.serialization.add_safe_globals([LoraSettings])
+
+
 def check_quantization_available(settings: LoraSettings) -> None:
     """Raise a clear error when QLoRA cannot run here (no CUDA, or no bitsandbytes)."""
     if not torch.cuda.is_available():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import pickle
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -592,3 +593,23 @@ class CausalLMModule(LightningModule):
     def export(self, directory: str | Path) -> Path:
         """Write a Hugging Face directory (model with any adapter merged, and tokenizer) that ``from_pretrained`` loads."""
         return export_hf_directory(self.model, self.recipe, directory, self.tokenizer)
+
+
+def load_checkpoint(path: str | Path, map_location: str = "cpu") -> CausalLMModule:
+    """``CausalLMModule.load_from_checkpoint`` with ``weights_only=True``: tensors, plain values and this
+    project's own hyper-parameter types only, so an untrusted ``.ckpt`` cannot run code while it loads.
+
+    Raises:
+        pickle.UnpicklingError: the checkpoint holds anything else, with what was found and what to do.
+    """
+    try:
+        return CausalLMModule.load_from_checkpoint(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as error:
+        found = next((line.strip() for line in str(error).splitlines() if "GLOBAL" in line or "global" in line), "")
+        raise pickle.UnpicklingError(
+            f"Refused to load {str(path)!r}: it holds Python objects other than tensors, plain values and "
+            f"lit-memtrain's own settings ({found or str(error).splitlines()[0]}), which could run code while "
+            "loading. Only checkpoints written by lit-memtrain load here; if you wrote this one yourself and trust "
+            "it, load it in Python with CausalLMModule.load_from_checkpoint(path, weights_only=False)."
+        ) from error
+
