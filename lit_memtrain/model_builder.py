@@ -46,7 +46,7 @@ class ModelRecipe:
     config: dict[str, Any] | None = None
     config_overrides: dict[str, Any] | None = None
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-    attn_implementation: str = "sdpa"
+    attn_implementation: str | None = "sdpa"  # None: transformers' default (sdpa where the model supports it)
     model_init_kwargs: dict[str, Any] = field(default_factory=dict)
     trust_remote_code: bool = False
     lora: LoraSettings | None = None

@@ -15,6 +15,7 @@ import importlib.util
 import math
 import pickle
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,7 +27,7 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 from transformers import PreTrainedModel
 
-from lit_memtrain.attention import SDPA_BY_DOCUMENT
+from lit_memtrain.attention import SDPA_BY_DOCUMENT, VARLEN_BY_DOCUMENT, choose_document_attention
 from lit_memtrain.lora import LoraSettings, apply_lora, head_weight
 from lit_memtrain.loss import IGNORE_INDEX, chunked_cross_entropy, cross_entropy, transform_logits
 from lit_memtrain.model_builder import ModelRecipe, build_causal_lm, check_tokenizer_fits_model, export_hf_directory
@@ -64,8 +65,8 @@ def _is_padding_free(batch: dict[str, Any]) -> bool:
     return "position_ids" in batch and "attention_mask" not in batch
 
 
-def _check_attn_implementation(name: str) -> None:
-    if name.startswith("flash_attention") and importlib.util.find_spec("flash_attn") is None:
+def _check_attn_implementation(name: str | None) -> None:
+    if name is not None and name.startswith("flash_attention") and importlib.util.find_spec("flash_attn") is None:
         raise ValueError(
             f"attn_implementation={name!r} needs the flash-attn package, which is not installed. "
             "Install it with: pip install 'lit-memtrain[flash]' (CUDA only), or use 'sdpa'."
@@ -95,9 +96,13 @@ class CausalLMModule(LightningModule):
             from a preset takes its vocabulary size from it unless ``config_overrides`` sets ``vocab_size``.
         dtype: parameter dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto`` (the checkpoint's).
         attn_implementation: ``sdpa``, ``eager``, ``flex_attention``, ``flash_attention_2``, a hub kernel
-            name such as ``kernels-community/flash-attn``, or ``sdpa_by_document`` (SDPA once per packed
-            document, without the dense L x L mask ``sdpa`` builds for padding-free rows; see
-            :mod:`lit_memtrain.attention`).
+            name such as ``kernels-community/flash-attn``, ``sdpa_by_document`` (SDPA once per packed
+            document, without the dense L x L mask ``sdpa`` builds for padding-free rows) or
+            ``varlen_by_document`` (one torch ``varlen_attn`` kernel per packed row on CUDA); see
+            :mod:`lit_memtrain.attention`. ``None`` (the default) picks, once and logged, the fastest one that
+            keeps packed documents apart on the training device
+            (:func:`~lit_memtrain.attention.choose_document_attention`): ``sdpa_by_document`` on CPU,
+            flash-attn or ``varlen_by_document`` on CUDA; on unpacked batches each behaves as ``sdpa``.
         model_init_kwargs: extra arguments for the model constructor, e.g. YaRN
             ``{"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
             "original_max_position_embeddings": 40960}}``.
@@ -156,7 +161,7 @@ class CausalLMModule(LightningModule):
         config_overrides: dict[str, Any] | None = None,
         tokenizer: str | None = None,
         dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32",
-        attn_implementation: str = "sdpa",
+        attn_implementation: str | None = None,
         model_init_kwargs: dict[str, Any] | None = None,
         loss_type: Literal["chunked", "nll"] = "chunked",
         loss_chunk_size: int = 1024,
@@ -228,11 +233,23 @@ class CausalLMModule(LightningModule):
         if self.model is not None:
             return
         model = build_causal_lm(self.recipe, self.tokenizer)
+        if self.recipe.attn_implementation is None:
+            self._choose_attention(model)
         if self.tokenizer is not None:
             check_tokenizer_fits_model(model, self.tokenizer, self.hparams.tokenizer, self.recipe)
         if self.lora is not None:
             model = apply_lora(model, self.lora)
         self.model = model.train()  # from_pretrained returns eval mode, which Lightning would keep through fit
+
+    def _choose_attention(self, model: PreTrainedModel) -> None:
+        """Switch a model built with transformers' default attention to the fastest one that keeps packed
+        documents apart on the training device, and say which."""
+        device = self._trainer.strategy.root_device if self._trainer is not None else model.device
+        name = choose_document_attention(model, device)
+        if name != model.config._attn_implementation:
+            model.set_attn_implementation(name)
+        self.recipe = replace(self.recipe, attn_implementation=name)
+        rank_zero_info(f"attn_implementation: {name!r}, the fastest that keeps packed documents apart on {device.type}")
 
     def _model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
         inputs = {k: v for k, v in batch.items() if k not in _BATCH_ONLY_KEYS and k not in _VARLEN_KEYS}
@@ -240,7 +257,7 @@ class CausalLMModule(LightningModule):
             name = self.model.config._attn_implementation
             if "flash" in name:
                 inputs.update({k: batch[k] for k in _VARLEN_KEYS if k in batch})
-            elif name == SDPA_BY_DOCUMENT and "cu_seq_lens_q" in batch:  # read once here, not once per layer
+            elif name in (SDPA_BY_DOCUMENT, VARLEN_BY_DOCUMENT) and "cu_seq_lens_q" in batch:  # read once, not per layer
                 inputs["cu_seq_lens_q"] = batch["cu_seq_lens_q"].cpu()
         inputs["use_cache"] = False
         return inputs
