@@ -38,6 +38,7 @@ Usage::
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 from collections.abc import Callable
@@ -65,37 +66,12 @@ def sdpa_by_document(
     attention_mask: Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    *,
+    varlen: bool = False,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
-    """Causal attention within each document of each row; ``query`` is [B, heads, L, head_dim]."""
-    return _attend_by_document(module, query, key, value, attention_mask, scaling, dropout, False, **kwargs)
-
-
-def varlen_by_document(
-    module: torch.nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attention_mask: Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs: Any,
-) -> tuple[Tensor, None]:
-    """:func:`sdpa_by_document` with every document of a row in one ``varlen_attn`` call where it can run."""
-    return _attend_by_document(module, query, key, value, attention_mask, scaling, dropout, True, **kwargs)
-
-
-def _attend_by_document(
-    module: torch.nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attention_mask: Tensor | None,
-    scaling: float | None,
-    dropout: float,
-    varlen: bool,
-    **kwargs: Any,
-) -> tuple[Tensor, None]:
+    """Causal attention within each document of each row; ``query`` is [B, heads, L, head_dim]. With ``varlen``
+    (:data:`varlen_by_document`), every document of a row goes through one ``varlen_attn`` call where it can run."""
     document_ids = attention_mask if _is_document_ids(attention_mask, query) else None
     causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
     if (attention_mask is not None and document_ids is None) or query.shape[2] != key.shape[2] or not causal:
@@ -296,6 +272,8 @@ def choose_document_attention(model: torch.nn.Module, device: torch.device) -> s
             return VARLEN_BY_DOCUMENT
     return SDPA_BY_DOCUMENT
 
+
+varlen_by_document = functools.partial(sdpa_by_document, varlen=True)
 
 AttentionInterface.register(SDPA_BY_DOCUMENT, sdpa_by_document)
 AttentionMaskInterface.register(SDPA_BY_DOCUMENT, _mask_or_document_ids)

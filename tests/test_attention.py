@@ -7,7 +7,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, StaticCache
 
 from lit_memtrain import CausalLMModule
-from lit_memtrain.attention import SDPA_BY_DOCUMENT, sdpa_by_document
+from lit_memtrain.attention import SDPA_BY_DOCUMENT, VARLEN_BY_DOCUMENT, sdpa_by_document
 from lit_memtrain.datamodules.padding_free import PaddingFreeCollator
 from lit_memtrain.presets import build_config
 
@@ -151,24 +151,26 @@ def test_no_dense_mask_is_built_for_a_packed_row() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_bf16_packed_row_and_gradients_match_sdpa() -> None:
-    """On a GPU SDPA may pick its flash kernel per document; sdpa has to mask a dense row instead."""
+@pytest.mark.parametrize("ours", [SDPA_BY_DOCUMENT, VARLEN_BY_DOCUMENT])
+def test_cuda_bf16_packed_row_and_gradients_match_sdpa(ours: str) -> None:
+    """On a GPU SDPA may pick its flash kernel per document (varlen_by_document: one varlen_attn call per row);
+    sdpa has to mask a dense row instead."""
     results = {}
-    for attention in ("sdpa", SDPA_BY_DOCUMENT):
+    for attention in ("sdpa", ours):
         model = build_model(attention, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
         model = model.to("cuda", torch.bfloat16).train()
         batch = PaddingFreeCollator(pad_to_multiple_of=64)(
             [{"input_ids": torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n))} for n in (700, 90, 333)]
         )
         batch = {key: value.cuda() if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
-        extra = {"cu_seq_lens_q": batch["cu_seq_lens_q"].cpu()} if attention == SDPA_BY_DOCUMENT else {}
+        extra = {"cu_seq_lens_q": batch["cu_seq_lens_q"].cpu()} if attention == ours else {}
         logits = model(
             input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False, **extra
         ).logits.float()
         logits.square().mean().backward()
         results[attention] = (logits.detach(), model.model.layers[0].self_attn.q_proj.weight.grad.float())
-    torch.testing.assert_close(results[SDPA_BY_DOCUMENT][0], results["sdpa"][0], atol=3e-2, rtol=3e-2)
-    torch.testing.assert_close(results[SDPA_BY_DOCUMENT][1], results["sdpa"][1], atol=3e-2, rtol=5e-2)
+    torch.testing.assert_close(results[ours][0], results["sdpa"][0], atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(results[ours][1], results["sdpa"][1], atol=3e-2, rtol=5e-2)
 
 
 def test_grouped_heads_wider_than_256_and_empty_documents() -> None:
@@ -262,7 +264,7 @@ def test_varlen_by_document_puts_a_row_through_one_varlen_call(monkeypatch, caus
 
     monkeypatch.setattr(attention, "_VARLEN_KERNEL", (kernel, causal, takes_groups))
     monkeypatch.setattr(attention, "_varlen_runs", lambda query, dropout: True)
-    ours, reference = build_model(attention.VARLEN_BY_DOCUMENT), build_model("sdpa")
+    ours, reference = build_model(VARLEN_BY_DOCUMENT), build_model("sdpa")
     ours.train()
     reference.train()
     batch = PaddingFreeCollator()(documents(ours.config.vocab_size))
@@ -279,8 +281,6 @@ def test_varlen_by_document_puts_a_row_through_one_varlen_call(monkeypatch, caus
 
 
 def test_varlen_by_document_without_its_kernel_is_sdpa_by_document() -> None:
-    from lit_memtrain.attention import VARLEN_BY_DOCUMENT
-
     ours, reference = build_model(VARLEN_BY_DOCUMENT), build_model(SDPA_BY_DOCUMENT)
     batch = PaddingFreeCollator()(documents(ours.config.vocab_size))
     with torch.no_grad():  # on a CPU (or in fp32) the varlen kernel cannot run: per-document SDPA
@@ -322,31 +322,3 @@ def test_a_module_that_names_no_attention_gets_sdpa_by_document_on_cpu_chosen_on
     assert [r.message for r in caplog.records if "attn_implementation" in r.message] == [
         "attn_implementation: 'sdpa_by_document', the fastest that keeps packed documents apart on cpu"
     ]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_bf16_varlen_by_document_matches_sdpa_and_is_probed_at_setup() -> None:
-    from lit_memtrain.attention import VARLEN_BY_DOCUMENT
-    from lit_memtrain.probes import probe_document_isolation
-
-    results = {}
-    for attention in ("sdpa", VARLEN_BY_DOCUMENT):
-        model = build_model(attention, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
-        model = model.to("cuda", torch.bfloat16).train()
-        batch = PaddingFreeCollator(pad_to_multiple_of=64)(
-            [{"input_ids": torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n))} for n in (700, 90, 333)]
-        )
-        batch = {key: value.cuda() if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
-        extra = {"cu_seq_lens_q": batch["cu_seq_lens_q"].cpu()} if attention == VARLEN_BY_DOCUMENT else {}
-        logits = model(
-            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False, **extra
-        ).logits.float()
-        logits.square().mean().backward()
-        results[attention] = (logits.detach(), model.model.layers[0].self_attn.q_proj.weight.grad.float())
-        if attention == VARLEN_BY_DOCUMENT:
-            module = CausalLMModule(preset="tiny-qwen3", attn_implementation=VARLEN_BY_DOCUMENT)
-            module.model = model
-            probe_document_isolation(model, module._model_inputs, VARLEN_BY_DOCUMENT)
-    torch.testing.assert_close(results[VARLEN_BY_DOCUMENT][0], results["sdpa"][0], atol=3e-2, rtol=3e-2)
-    torch.testing.assert_close(results[VARLEN_BY_DOCUMENT][1], results["sdpa"][1], atol=3e-2, rtol=5e-2)
