@@ -130,7 +130,8 @@ def probe_logit_transform(model: nn.Module) -> LogitTransform:
     hooks = [decoder.register_forward_hook(on_decoder), head.register_forward_hook(on_head)]
     try:
         with _EvalMode(model):
-            logits = model(input_ids=ids, use_cache=False).logits
+            output = model(input_ids=ids, use_cache=False)
+            logits = output.logits if hasattr(output, "logits") else output[0]
     finally:
         for hook in hooks:
             hook.remove()
