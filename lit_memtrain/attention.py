@@ -254,19 +254,22 @@ def _causal_over_whole_rows(attention_mask: Tensor | None, kwargs: dict[str, Any
     )
 
 
-def choose_document_attention(model: torch.nn.Module, device: torch.device) -> str:
+def choose_document_attention(model: torch.nn.Module, device: torch.device, half_precision: bool) -> str:
     """The fastest attention implementation that keeps packed documents apart for ``model`` on ``device``.
 
     On CUDA: flash-attn's varlen kernel (``flash_attention_2``, reading the collator's ``cu_seq_lens``) when the
-    package is installed and the model supports it, else :func:`varlen_by_document` (torch's ``varlen_attn``)
-    when this torch has it; elsewhere (and as the fallback) ``sdpa_by_document``. A model without SDPA support
-    (Gemma 2's attention softcap, GPT-OSS's sinks) keeps ``eager``, which transformers splits by document.
-    Implementations other than ``sdpa_by_document`` and ``eager`` are checked by the module's packed-row probe.
+    package is installed, the model supports it and attention runs in fp16/bf16 (``half_precision``: half
+    weights or mixed precision; flash-attn refuses fp32), else :func:`varlen_by_document` (torch's
+    ``varlen_attn``, which itself falls back to per-document SDPA for fp32) when this torch has it; elsewhere
+    (and as the fallback) ``sdpa_by_document``. A model without SDPA support (Gemma 2's attention softcap,
+    GPT-OSS's sinks) keeps ``eager``, which transformers splits by document. Implementations other than
+    ``sdpa_by_document`` and ``eager`` are checked by the module's packed-row probe.
     """
     if not getattr(model, "_supports_sdpa", False):
         return "eager"
     if device.type == "cuda":
-        if getattr(model, "_supports_flash_attn", False) and importlib.util.find_spec("flash_attn") is not None:
+        flash_attn = importlib.util.find_spec("flash_attn") is not None
+        if half_precision and flash_attn and getattr(model, "_supports_flash_attn", False):
             return "flash_attention_2"
         if _VARLEN_KERNEL is not None:
             return VARLEN_BY_DOCUMENT

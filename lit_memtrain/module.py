@@ -245,7 +245,9 @@ class CausalLMModule(LightningModule):
         """Switch a model built with transformers' default attention to the fastest one that keeps packed
         documents apart on the training device, and say which."""
         device = self._trainer.strategy.root_device if self._trainer is not None else model.device
-        name = choose_document_attention(model, device)
+        precision = str(self._trainer.precision) if self._trainer is not None else ""
+        half_precision = model.dtype in (torch.float16, torch.bfloat16) or precision.startswith(("bf16", "16"))
+        name = choose_document_attention(model, device, half_precision)
         if name != model.config._attn_implementation:
             model.set_attn_implementation(name)
         self.recipe = replace(self.recipe, attn_implementation=name)

@@ -305,10 +305,12 @@ def test_the_default_attention_is_the_fastest_that_keeps_documents_apart_on_the_
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" and flash_attn else find_spec(name, *a))
     monkeypatch.setattr(attention, "_VARLEN_KERNEL", (None, {}, True) if varlen else None)
     model = build_model("sdpa")
-    assert attention.choose_document_attention(model, torch.device("cuda")) == expected
-    assert attention.choose_document_attention(model, torch.device("cpu")) == SDPA_BY_DOCUMENT
+    assert attention.choose_document_attention(model, torch.device("cuda"), half_precision=True) == expected
+    fp32 = attention.choose_document_attention(model, torch.device("cuda"), half_precision=False)
+    assert fp32 == (VARLEN_BY_DOCUMENT if varlen else SDPA_BY_DOCUMENT)  # flash-attn refuses fp32
+    assert attention.choose_document_attention(model, torch.device("cpu"), half_precision=True) == SDPA_BY_DOCUMENT
     gemma2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gemma2", **SMALL))  # attention softcap: no sdpa
-    assert attention.choose_document_attention(gemma2, torch.device("cuda")) == "eager"
+    assert attention.choose_document_attention(gemma2, torch.device("cuda"), half_precision=True) == "eager"
 
 
 def test_a_module_that_names_no_attention_gets_sdpa_by_document_on_cpu_chosen_once_and_logged(caplog) -> None:
