@@ -3,9 +3,11 @@
 Same for both:
 
 - weights: one random ``tiny-qwen3`` (the shape of ``benchmarks/throughput.py``: hidden 512, 2 layers,
-  fp32) built once, saved with ``save_pretrained`` and loaded by each run with sdpa attention (with
-  ``--attention sdpa_by_document`` ours runs SDPA once per packed document instead, see
-  ``lit_memtrain/attention.py``; TRL keeps sdpa, which masks a dense row);
+  fp32) built once, saved with ``save_pretrained`` and loaded by each run. Attention: TRL's default for a
+  padding-free row, sdpa (which masks a dense row); ours its default when none is named, the fastest
+  implementation that keeps packed documents apart on the device (``sdpa_by_document`` on a CPU: SDPA once
+  per packed document, see ``lit_memtrain/attention.py``). ``--attention sdpa`` gives ours the same kernel as
+  TRL;
 - tokenizer: the embedded one, saved next to the weights;
 - data: the synthetic ``text`` examples of ``benchmarks/throughput.py`` (lognormal lengths, median 100,
   clipped to [8, ``--max-length``]) in one JSON-lines file, every token trained;
@@ -34,7 +36,7 @@ parameters allow it); ``--trl-optim adamw_torch`` gives TRL the per-tensor loop 
 Each framework runs in its own subprocess (ours through ``python -m lit_memtrain.cli fit``), alternating
 in ``--rounds`` rounds on the shared machine; torch runs on ``--threads`` threads in both (one by default,
 see ``benchmarks/throughput.py``). Headline: median over rounds of ours/TRL tokens per second. Target:
-ours >= 1.0x.
+ours >= 1.25x with the defaults (>= 1.0x with ``--attention sdpa``).
 
 Run from the repository root (needs trl: ``pip install -e .[bench]``; about 2 minutes on 2 CPU cores)::
 
@@ -147,7 +149,8 @@ def run_ours(args: argparse.Namespace, model_dir: Path, data: Path, output: Path
         "--trainer.callbacks+=throughput.StepTimer",
         f"--trainer.callbacks.warmup_steps={args.warmup_steps}",
         f"--trainer.callbacks.output={output}",
-        f"--model.model={model_dir}", "--model.dtype=float32", f"--model.attn_implementation={args.attention}",
+        f"--model.model={model_dir}", "--model.dtype=float32",
+        *([] if args.attention == "default" else [f"--model.attn_implementation={args.attention}"]),
         f"--model.learning_rate={args.learning_rate}", "--model.weight_decay=0.0",
         "--model.warmup=0", "--model.min_lr_ratio=1.0", "--model.loss_type=chunked",
         f"--data.tokenizer={model_dir}", f"--data.dataset={data}",
@@ -268,9 +271,10 @@ def summarise(args: argparse.Namespace, ours: list[dict], trl_runs: list[dict], 
         return [tokens_per_second(a, by) / tokens_per_second(b, by) for a, b in zip(ours, trl_runs)]
 
     ratio = statistics.median(ratios(clock))
+    target = 1.0 if args.attention == "sdpa" else 1.25
     print(
         f"ours / TRL tokens per second ({clock} time): {ratio:.2f}x (median of rounds: "
-        f"{', '.join(f'{r:.2f}' for r in ratios(clock))}); target >= 1.0x {'met' if ratio >= 1 else 'NOT met'}; "
+        f"{', '.join(f'{r:.2f}' for r in ratios(clock))}); target >= {target:.2f}x {'met' if ratio >= target else 'NOT met'}; "
         f"by the wall clock {statistics.median(ratios('wall')):.2f}x"
     )
     print(
@@ -289,7 +293,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument(
-        "--attention", default="sdpa", choices=["sdpa", "sdpa_by_document"], help="ours; TRL always uses sdpa"
+        "--attention",
+        default="default",
+        choices=["default", "sdpa", "sdpa_by_document"],
+        help="ours (default: none named, the module's own choice); TRL always uses sdpa",
     )
     parser.add_argument("--trl-optim", default="adamw_torch_fused", help="TRL's optim (its default: fused AdamW)")
     parser.add_argument("--threads", type=int, default=1)

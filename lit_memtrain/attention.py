@@ -21,6 +21,13 @@ chunked, bidirectional or prefix (blockwise) attention, custom mask functions, a
 materialised mask. Models that need extra attention arguments (``softcap``, attention sinks) are refused.
 Registered with transformers when ``lit_memtrain`` is imported.
 
+``attn_implementation="varlen_by_document"`` is the same with one kernel per row on CUDA: torch's
+``torch.nn.attention.varlen.varlen_attn`` (a flash kernel taking every document's bounds) computes all the
+documents of a packed row at once, where the per-document loop launches one SDPA per document. It needs
+CUDA, fp16/bf16 inputs (as under ``bf16-mixed``), head_dim <= 256 and no dropout; anything else takes the
+per-document SDPA path. :func:`choose_document_attention` picks the fastest of these for a device; it is
+what ``CausalLMModule`` uses when no attention implementation is named.
+
 Usage::
 
     import lit_memtrain  # registers the implementation
@@ -31,6 +38,10 @@ Usage::
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import inspect
+from collections.abc import Callable
 from itertools import pairwise
 from typing import Any
 
@@ -42,6 +53,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 SDPA_BY_DOCUMENT = "sdpa_by_document"
+VARLEN_BY_DOCUMENT = "varlen_by_document"
 
 _UNSUPPORTED_KWARGS = ("softcap", "s_aux")
 
@@ -54,9 +66,12 @@ def sdpa_by_document(
     attention_mask: Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    *,
+    varlen: bool = False,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
-    """Causal attention within each document of each row; ``query`` is [B, heads, L, head_dim]."""
+    """Causal attention within each document of each row; ``query`` is [B, heads, L, head_dim]. With ``varlen``
+    (:data:`varlen_by_document`), every document of a row goes through one ``varlen_attn`` call where it can run."""
     document_ids = attention_mask if _is_document_ids(attention_mask, query) else None
     causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
     if (attention_mask is not None and document_ids is None) or query.shape[2] != key.shape[2] or not causal:
@@ -73,9 +88,61 @@ def sdpa_by_document(
     if all(len(row_bounds) == 2 for row_bounds in bounds):  # one document per row: one call for the batch
         output = _causal_sdpa(query, key, value, scaling, dropout)
     else:
+        attend = _varlen_row if varlen and _varlen_runs(query, dropout) else _attend_row
         rows = enumerate(bounds)
-        output = torch.cat([_attend_row(query, key, value, row, row_bounds, scaling, dropout) for row, row_bounds in rows])
+        output = torch.cat([attend(query, key, value, row, row_bounds, scaling, dropout) for row, row_bounds in rows])
     return output.transpose(1, 2).contiguous(), None
+
+
+def _find_varlen_kernel() -> tuple[Callable[..., Tensor], dict[str, Any], bool] | None:
+    """torch's ``varlen_attn`` (``torch.nn.attention.varlen``), with the keyword that makes it causal and whether
+    it takes grouped key/value heads; ``None`` in a torch without it. Its signature has changed between
+    releases (an ``is_causal`` flag, then a ``window_size`` where ``(-1, 0)`` is causal)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    parameters = inspect.signature(varlen_attn).parameters
+    if "window_size" in parameters:
+        causal: dict[str, Any] = {"window_size": (-1, 0)}
+    elif "is_causal" in parameters:
+        causal = {"is_causal": True}
+    else:
+        return None
+    return varlen_attn, causal, "enable_gqa" in parameters
+
+
+_VARLEN_KERNEL = _find_varlen_kernel()
+
+
+def _varlen_runs(query: Tensor, dropout: float) -> bool:
+    """``varlen_attn`` is a flash kernel: CUDA, fp16 or bf16, head_dim up to 256, no dropout."""
+    return (
+        _VARLEN_KERNEL is not None
+        and query.is_cuda
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and query.shape[-1] <= 256
+        and dropout == 0
+    )
+
+
+def _varlen_row(
+    query: Tensor, key: Tensor, value: Tensor, row: int, bounds: list[int], scaling: float | None, dropout: float
+) -> Tensor:
+    """Row ``row`` of the output, all its documents in one ``varlen_attn`` call; [1, heads, L, head_dim]."""
+    kernel, causal, takes_groups = _VARLEN_KERNEL
+    query_rows, key_rows, value_rows = (t[row].transpose(0, 1).contiguous() for t in (query, key, value))
+    groups = query_rows.shape[1] // key_rows.shape[1]
+    if groups > 1 and not takes_groups:
+        key_rows, value_rows = key_rows.repeat_interleave(groups, dim=1), value_rows.repeat_interleave(groups, dim=1)
+    extra = {"enable_gqa": True} if groups > 1 and takes_groups else {}
+    bounds = [bound for index, bound in enumerate(bounds) if index == 0 or bound != bounds[index - 1]]  # no empty ones
+    starts = torch.tensor(bounds, dtype=torch.int32, device=query.device)
+    longest = max(stop - start for start, stop in pairwise(bounds))
+    output = kernel(
+        query_rows, key_rows, value_rows, starts, starts, longest, longest, scale=scaling, **causal, **extra
+    )
+    return output.transpose(0, 1).unsqueeze(0)
 
 
 def _attend_row(
@@ -187,5 +254,31 @@ def _causal_over_whole_rows(attention_mask: Tensor | None, kwargs: dict[str, Any
     )
 
 
+def choose_document_attention(model: torch.nn.Module, device: torch.device, half_precision: bool) -> str:
+    """The fastest attention implementation that keeps packed documents apart for ``model`` on ``device``.
+
+    On CUDA: flash-attn's varlen kernel (``flash_attention_2``, reading the collator's ``cu_seq_lens``) when the
+    package is installed, the model supports it and attention runs in fp16/bf16 (``half_precision``: half
+    weights or mixed precision; flash-attn refuses fp32), else :func:`varlen_by_document` (torch's
+    ``varlen_attn``, which itself falls back to per-document SDPA for fp32) when this torch has it; elsewhere
+    (and as the fallback) ``sdpa_by_document``. A model without SDPA support (Gemma 2's attention softcap,
+    GPT-OSS's sinks) keeps ``eager``, which transformers splits by document. Implementations other than
+    ``sdpa_by_document`` and ``eager`` are checked by the module's packed-row probe.
+    """
+    if not getattr(model, "_supports_sdpa", False):
+        return "eager"
+    if device.type == "cuda":
+        flash_attn = importlib.util.find_spec("flash_attn") is not None
+        if half_precision and flash_attn and getattr(model, "_supports_flash_attn", False):
+            return "flash_attention_2"
+        if _VARLEN_KERNEL is not None:
+            return VARLEN_BY_DOCUMENT
+    return SDPA_BY_DOCUMENT
+
+
+varlen_by_document = functools.partial(sdpa_by_document, varlen=True)
+
 AttentionInterface.register(SDPA_BY_DOCUMENT, sdpa_by_document)
 AttentionMaskInterface.register(SDPA_BY_DOCUMENT, _mask_or_document_ids)
+AttentionInterface.register(VARLEN_BY_DOCUMENT, varlen_by_document)
+AttentionMaskInterface.register(VARLEN_BY_DOCUMENT, _mask_or_document_ids)

@@ -8,14 +8,17 @@ arguments (also in the ``--key=value`` form a W&B sweep agent passes). The token
 from __future__ import annotations
 
 import argparse
+import pickle
 import sys
 from collections.abc import Callable
+from typing import Any
 
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple
+from torch.optim import Optimizer
 
 from lit_memtrain.allocator import enable_expandable_segments
 from lit_memtrain.datamodules.sft import SFTDataModule
-from lit_memtrain.module import CausalLMModule
+from lit_memtrain.module import CausalLMModule, load_checkpoint
 
 _OWN_SUBCOMMANDS_HELP = """
 lit-memtrain subcommands of its own:
@@ -25,23 +28,58 @@ lit-memtrain subcommands of its own:
 """
 
 
+def _as_dict(spec: Any) -> dict[str, Any] | None:
+    """A parsed ``--optimizer`` / ``--lr_scheduler`` (class_path and init_args) as the module's plain dict."""
+    return spec.as_dict() if spec else None
+
+
 class MemTrainCLI(LightningCLI):
-    """LightningCLI for :class:`CausalLMModule` and :class:`SFTDataModule`."""
+    """LightningCLI for :class:`CausalLMModule` and :class:`SFTDataModule`.
+
+    ``--optimizer`` / ``--lr_scheduler`` take any ``torch.optim`` optimizer / scheduler (and
+    :mod:`lit_memtrain.optim`'s 8-bit and paged AdamW), linked to the module's ``optimizer`` / ``lr_scheduler``
+    as Lightning documents for modules that build their own optimizer: the model is built in
+    ``configure_model``, after the CLI would instantiate them, and biases and norm weights keep no weight
+    decay. Without them: AdamW and warmup-cosine.
+    """
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("data.tokenizer", "model.tokenizer")
+        parser.add_optimizer_args((Optimizer,), link_to="model.optimizer")
+        parser.add_lr_scheduler_args(LRSchedulerTypeTuple, link_to="model.lr_scheduler")
+
+    @staticmethod
+    def link_optimizers_and_lr_schedulers(parser) -> None:
+        """Link each ``--optimizer`` / ``--lr_scheduler`` given a ``link_to`` as a plain dict (Lightning links
+        a namespace, which a ``dict`` argument does not accept)."""
+        for key, (_, link_to) in {**parser._optimizers, **parser._lr_schedulers}.items():
+            if link_to != "AUTOMATIC":
+                parser.link_arguments(key, link_to, compute_fn=_as_dict)
 
 
 def _generate(argv: list[str]) -> None:
-    from lit_memtrain.generate import generate_answer
+    from lit_memtrain.generate import generate_answer, load_tokenizer_for
 
-    parser = argparse.ArgumentParser(prog="lit-memtrain generate", description="Greedy answer from an exported model.")
+    parser = argparse.ArgumentParser(prog="lit-memtrain generate", description="Answer prompts with an exported model.")
     parser.add_argument("--model", required=True, help="exported Hugging Face directory")
     parser.add_argument("--prompt", required=True, action="append", help="user message (repeatable)")
     parser.add_argument("--max_new_tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: sample at this temperature")
+    parser.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling threshold (with --temperature > 0)")
+    parser.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id, when --model has none")
     args = parser.parse_args(argv)
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        parser.error(f"--temperature must be >= 0 and --top_p in (0, 1], got {args.temperature} and {args.top_p}")
+    try:
+        load_tokenizer_for(args.model, args.tokenizer)
+    except ValueError as error:
+        parser.error(str(error))
     for prompt in args.prompt:
-        print(f"prompt: {prompt}\nanswer: {generate_answer(args.model, prompt, args.max_new_tokens)}")
+        answer = generate_answer(
+            args.model, prompt, args.max_new_tokens, args.temperature, args.top_p, args.tokenizer, args.seed
+        )
+        print(f"prompt: {prompt}\nanswer: {answer}")
 
 
 def _export(argv: list[str]) -> None:
@@ -52,7 +90,10 @@ def _export(argv: list[str]) -> None:
     parser.add_argument("--checkpoint", required=True, help="a .ckpt written by lit-memtrain fit")
     parser.add_argument("--output", required=True, help="directory to write (save_pretrained layout)")
     args = parser.parse_args(argv)
-    module = CausalLMModule.load_from_checkpoint(args.checkpoint, map_location="cpu", weights_only=False)
+    try:
+        module = load_checkpoint(args.checkpoint)
+    except pickle.UnpicklingError as error:
+        parser.error(str(error).splitlines()[0])
     print(f"exported {args.checkpoint} to {module.export(args.output)}")
 
 
@@ -105,7 +146,6 @@ def main(argv: list[str] | None = None) -> None:
         SFTDataModule,
         save_config_kwargs={"overwrite": True},
         args=argv,
-        auto_configure_optimizers=False,
     )
 
 

@@ -1,29 +1,91 @@
-"""Greedy generation from an exported Hugging Face directory, for a quick look at a trained model."""
+"""Answers from an exported Hugging Face directory, for a quick look at a trained model.
+
+Greedy by default; ``temperature > 0`` samples (with ``top_p`` nucleus filtering). Works with whatever
+tokenizer the directory ships: inputs the model's ``forward`` does not name (``token_type_ids`` from a
+WordPiece tokenizer, for example) are dropped before ``generate``, which would refuse them.
+"""
 
 from __future__ import annotations
 
+import inspect
+from pathlib import Path
+from typing import Any
+
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = ["generate_answer", "load_tokenizer_for", "model_inputs"]
 
 
-def generate_answer(model_dir: str, prompt: str, max_new_tokens: int = 32) -> str:
-    """Answer ``prompt`` with the model in ``model_dir`` (chat template when the tokenizer has one)."""
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+def load_tokenizer_for(model_dir: str, tokenizer: str | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer saved in ``model_dir`` (or ``tokenizer``, a directory or hub id), with a clear error when
+    there is none (``AutoTokenizer`` would otherwise build an empty one from the model's config)."""
+    source = tokenizer or model_dir
+    hint = (
+        "Export the model with its tokenizer (CausalLMModule(tokenizer=...) or tokenizer.save_pretrained(dir)), "
+        "or name one with --tokenizer."
+    )
+    if Path(source).is_dir() and not any((Path(source) / name).exists() for name in _TOKENIZER_FILES):
+        raise ValueError(f"{source!r} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}). {hint}")
+    try:
+        loaded = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        raise ValueError(f"No usable tokenizer in {source!r} ({type(error).__name__}: {error}). {hint}") from error
+    if len(loaded) == 0:
+        raise ValueError(f"The tokenizer loaded from {source!r} has an empty vocabulary. {hint}")
+    return loaded
+
+
+def model_inputs(model: PreTrainedModel, encoded: dict[str, Any]) -> dict[str, Any]:
+    """``encoded`` without the entries the model's ``forward`` does not name (``input_ids`` is always kept)."""
+    accepted = {
+        name
+        for name, parameter in inspect.signature(model.forward).parameters.items()
+        if parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL)
+    }
+    return {key: value for key, value in encoded.items() if key in accepted or key == "input_ids"}
+
+
+def generate_answer(
+    model_dir: str,
+    prompt: str,
+    max_new_tokens: int = 32,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    tokenizer: str | None = None,
+    seed: int | None = None,
+) -> str:
+    """Answer ``prompt`` with the model in ``model_dir`` (chat template when the tokenizer has one).
+
+    Args:
+        temperature: 0 decodes greedily; above 0, samples at this temperature.
+        top_p: nucleus sampling: sample among the most likely tokens whose probabilities sum to ``top_p``.
+        tokenizer: a tokenizer directory or hub id, when ``model_dir`` has none.
+        seed: seeds the sampling, for reproducible answers.
+    """
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature} and {top_p}.")
+    loaded = load_tokenizer_for(model_dir, tokenizer)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     model.eval()
-    if tokenizer.chat_template:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
+    if loaded.chat_template:
+        text = loaded.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
     else:
         text = prompt
-    inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+    inputs = model_inputs(model, dict(loaded(text, return_tensors="pt", add_special_tokens=False)))
+    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {"do_sample": False}
+    if seed is not None:
+        torch.manual_seed(seed)
+    pad_token_id = loaded.pad_token_id if loaded.pad_token_id is not None else loaded.eos_token_id
     with torch.no_grad():
         output = model.generate(
             **inputs,
             max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=loaded.eos_token_id,
+            pad_token_id=pad_token_id,
+            **sampling,
         )
-    return tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    return loaded.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)

@@ -46,6 +46,11 @@ class LoraSettings:
             raise ValueError(f"quantize must be '4bit', '8bit' or None, got {self.quantize!r}.")
 
 
+# Hyper-parameters saved in checkpoints hold LoraSettings: allow it in torch.load(weights_only=True), which
+# lit-memtrain export uses and Lightning's resume does by default (torch >= 2.6).
+torch.serialization.add_safe_globals([LoraSettings])
+
+
 def check_quantization_available(settings: LoraSettings) -> None:
     """Raise a clear error when QLoRA cannot run here (no CUDA, or no bitsandbytes)."""
     if not torch.cuda.is_available():
@@ -125,22 +130,45 @@ def head_weight(head: nn.Module) -> tuple[Tensor, Tensor | None]:
 
 
 def merged_copy(model: nn.Module, unquantized_base: PreTrainedModel | None = None) -> PreTrainedModel:
-    """A plain Hugging Face model with the adapter merged in; the training model is left untouched.
+    """A plain Hugging Face model with the adapter merged in, in host memory; the training model is left untouched.
 
-    For QLoRA pass ``unquantized_base`` (the base reloaded in a float dtype): the adapter is merged into it
-    rather than into 4/8-bit weights, which would lose precision.
+    The copy is made tensor by tensor into host memory (never a second copy on the training device, which at
+    the end of a long run has no room for one) and merged there. For QLoRA pass ``unquantized_base`` (the base
+    reloaded in a float dtype, in host memory): the adapter is merged into it rather than into 4/8-bit
+    weights, which would lose precision.
     """
     if not is_peft_model(model):
         return model
     if unquantized_base is None:
-        target = copy.deepcopy(model)
+        target = host_copy(model)
     else:
         from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
         target = get_peft_model(unquantized_base, model.peft_config["default"])
-        set_peft_model_state_dict(target, get_peft_model_state_dict(model))
+        adapter = {name: tensor.detach().cpu() for name, tensor in get_peft_model_state_dict(model).items()}
+        set_peft_model_state_dict(target, adapter)
     _untie_adapted_head(target)
     return target.merge_and_unload()
+
+
+def host_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` whose parameters, buffers and tensor attributes are new host-memory tensors.
+
+    ``copy.deepcopy`` would clone every tensor on its own device; here each is copied to the CPU first and
+    handed to ``deepcopy`` through its memo, so tied weights stay tied and nothing is allocated on the device.
+    """
+    memo: dict[int, object] = {}
+    for module in model.modules():
+        tensors = [*module._parameters.values(), *module._buffers.values()]
+        tensors += [value for value in vars(module).values() if isinstance(value, Tensor)]
+        for tensor in tensors:
+            if tensor is None or id(tensor) in memo:
+                continue
+            on_host = tensor.detach().to("cpu", copy=True)
+            if isinstance(tensor, nn.Parameter):
+                on_host = nn.Parameter(on_host, requires_grad=tensor.requires_grad)
+            memo[id(tensor)] = on_host
+    return copy.deepcopy(model, memo)
 
 
 def _untie_adapted_head(model: nn.Module) -> None:

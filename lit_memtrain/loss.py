@@ -30,7 +30,7 @@ from lit_memtrain.autocast import active_autocast_dtype
 
 IGNORE_INDEX = -100
 
-__all__ = ["IGNORE_INDEX", "chunked_cross_entropy", "cross_entropy"]
+__all__ = ["IGNORE_INDEX", "chunked_cross_entropy", "cross_entropy", "transform_logits"]
 
 
 def _validate_num_items(num_items: int | Tensor | None) -> None:
@@ -46,9 +46,11 @@ def _validate_num_items(num_items: int | Tensor | None) -> None:
         raise ValueError(f"num_items must be >= 0 (trainable tokens in the step), got {num_items}.")
 
 
-def _validate_softcap(softcap: float | None) -> None:
+def _validate_softcap(softcap: float | None, scale: float) -> None:
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be a positive number or None, got {softcap}.")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+        raise ValueError(f"scale must be a positive number, got {scale!r}.")
 
 
 def _validate_targets(targets: Tensor, rows: int) -> None:
@@ -73,6 +75,7 @@ def cross_entropy(
     targets: Tensor,
     num_items: int | Tensor | None = None,
     softcap: float | None = None,
+    scale: float = 1.0,
 ) -> Tensor:
     """Plain cross-entropy over ``logits`` [N, V] (upcast to fp32), summed and divided by ``num_items``.
 
@@ -81,6 +84,8 @@ def cross_entropy(
         targets: [N] long, ``-100`` for ignored positions.
         num_items: trainable tokens of the whole step; ``None`` counts the non-ignored ``targets``.
         softcap: if set, logits become ``softcap * tanh(logits / softcap)`` first (Gemma-style capping).
+        scale: logits are multiplied by it first, before any capping (Cohere's ``logit_scale``, Granite's
+            ``1 / logits_scaling``, Falcon-H1's ``lm_head_multiplier``).
 
     Returns:
         A 0-d fp32 tensor.
@@ -89,20 +94,27 @@ def cross_entropy(
         raise ValueError(f"logits must be 2-D [N, V], got shape {tuple(logits.shape)}. Flatten batch and sequence.")
     _validate_targets(targets, logits.shape[0])
     _validate_num_items(num_items)
-    _validate_softcap(softcap)
-    logits = logits.float()
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
+    _validate_softcap(softcap, scale)
+    logits = transform_logits(logits.float(), softcap, scale)
     loss_sum = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
     return _normalise(loss_sum, num_items, (targets != IGNORE_INDEX).sum())
 
 
-def _chunk_logits(hidden_rows: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None) -> Tensor:
-    """fp32 logits of some rows, capped when ``softcap`` is set."""
-    logits = F.linear(hidden_rows, weight, bias).float()
+def transform_logits(logits: Tensor, softcap: float | None = None, scale: float = 1.0) -> Tensor:
+    """What a model does to its LM head's output: ``softcap * tanh(scale * logits / softcap)``, or
+    ``scale * logits`` without a cap."""
+    if scale != 1:
+        logits = logits * scale
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     return logits
+
+
+def _chunk_logits(
+    hidden_rows: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None, scale: float
+) -> Tensor:
+    """fp32 logits of some rows, scaled and capped."""
+    return transform_logits(F.linear(hidden_rows, weight, bias).float(), softcap, scale)
 
 
 class _ChunkedCrossEntropySum(torch.autograd.Function):
@@ -128,6 +140,7 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
         kept_targets: Tensor,
         chunk_size: int,
         softcap: float | None,
+        scale: float,
         needs_grad: tuple[bool, bool, bool],
     ) -> Tensor:
         needs_hidden, needs_weight, needs_bias = needs_grad
@@ -139,7 +152,7 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
             rows = kept_rows[start : start + chunk_size]
             chunk_targets = kept_targets[start : start + chunk_size]
             hidden_rows = hidden.index_select(0, rows)
-            logits = _chunk_logits(hidden_rows, weight, bias, softcap)
+            logits = _chunk_logits(hidden_rows, weight, bias, softcap, scale)
             lse = torch.logsumexp(logits, dim=1)
             loss_sum += (lse - logits.gather(1, chunk_targets.unsqueeze(1)).squeeze(1)).sum()
             if not any(needs_grad):
@@ -149,6 +162,8 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
             if softcap is not None:
                 # d(softcap * tanh(z / softcap)) / dz = 1 - tanh^2, with tanh = capped / softcap.
                 grad_logits *= 1 - (logits / softcap).square()
+            if scale != 1:
+                grad_logits *= scale
             del logits
             if grad_bias is not None:
                 grad_bias += grad_logits.sum(dim=0)
@@ -182,7 +197,7 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
             )
         gradients, ctx.gradients = ctx.gradients, None
         scaled = tuple(None if grad is None else grad.mul_(grad_output) for grad in gradients)
-        return (*scaled, None, None, None, None, None)
+        return (*scaled, None, None, None, None, None, None)
 
 
 def chunked_cross_entropy(
@@ -193,10 +208,11 @@ def chunked_cross_entropy(
     chunk_size: int = 1024,
     softcap: float | None = None,
     bias: Tensor | None = None,
+    scale: float = 1.0,
 ) -> Tensor:
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` without materialising the [N, V] logits.
 
-    Equal to ``cross_entropy(F.linear(hidden, weight, bias), targets, num_items, softcap)`` in value and
+    Equal to ``cross_entropy(F.linear(hidden, weight, bias), targets, num_items, softcap, scale)`` in value and
     gradients, with logits computed ``chunk_size`` trainable rows at a time (with their gradients, when
     autograd needs them).
 
@@ -209,6 +225,7 @@ def chunked_cross_entropy(
         chunk_size: rows per chunk; peak extra memory is about ``chunk_size * V * 6`` bytes for bf16 inputs.
         softcap: if set, logits become ``softcap * tanh(logits / softcap)``.
         bias: optional [V] LM-head bias, same dtype as ``weight``.
+        scale: logits are multiplied by it first, before any capping.
 
     Returns:
         A 0-d fp32 tensor.
@@ -237,7 +254,7 @@ def chunked_cross_entropy(
         )
     _validate_targets(targets, hidden.shape[0])
     _validate_num_items(num_items)
-    _validate_softcap(softcap)
+    _validate_softcap(softcap, scale)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}.")
     kept_rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)
@@ -253,6 +270,6 @@ def chunked_cross_entropy(
     autocast_off = torch.autocast(device_type, enabled=False) if compute_dtype else contextlib.nullcontext()
     with autocast_off:
         loss_sum = _ChunkedCrossEntropySum.apply(
-            hidden, weight, bias, kept_rows, targets.index_select(0, kept_rows), chunk_size, softcap, needs_grad
+            hidden, weight, bias, kept_rows, targets.index_select(0, kept_rows), chunk_size, softcap, scale, needs_grad
         )
     return _normalise(loss_sum, num_items, kept_rows.shape[0])

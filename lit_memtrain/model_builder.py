@@ -20,7 +20,14 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 from lit_memtrain.lora import LoraSettings, check_quantization_available, merged_copy, quantization_config
 from lit_memtrain.presets import PRESETS, build_config
 
-__all__ = ["DTYPES", "ModelRecipe", "build_causal_lm", "check_tokenizer_fits_model", "export_hf_directory"]
+__all__ = [
+    "DTYPES",
+    "ModelRecipe",
+    "build_causal_lm",
+    "check_tokenizer_fits_model",
+    "export_hf_directory",
+    "reload_unquantized_base",
+]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -39,7 +46,7 @@ class ModelRecipe:
     config: dict[str, Any] | None = None
     config_overrides: dict[str, Any] | None = None
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-    attn_implementation: str = "sdpa"
+    attn_implementation: str | None = "sdpa"  # None: transformers' default (sdpa where the model supports it)
     model_init_kwargs: dict[str, Any] = field(default_factory=dict)
     trust_remote_code: bool = False
     lora: LoraSettings | None = None
@@ -112,17 +119,28 @@ def check_tokenizer_fits_model(
         )
 
 
+def reload_unquantized_base(recipe: ModelRecipe) -> PreTrainedModel:
+    """The base of a QLoRA run reloaded in host memory, unquantized, with everything else it was built with:
+    ``model_init_kwargs`` (YaRN ``rope_parameters``...), ``trust_remote_code`` and ``dtype`` (the one its
+    unquantized weights had)."""
+    init_kwargs = {k: v for k, v in recipe.model_init_kwargs.items() if k not in ("quantization_config", "device_map")}
+    dtype = "auto" if recipe.dtype == "auto" else DTYPES[recipe.dtype]
+    return AutoModelForCausalLM.from_pretrained(
+        recipe.model, dtype=dtype, trust_remote_code=recipe.trust_remote_code, device_map={"": "cpu"}, **init_kwargs
+    )
+
+
 def export_hf_directory(
     model: nn.Module, recipe: ModelRecipe, directory: str | Path, tokenizer: PreTrainedTokenizerBase | None = None
 ) -> Path:
     """Write a Hugging Face directory (model with any adapter merged, and tokenizer) that ``from_pretrained`` loads.
 
-    A QLoRA adapter is merged into the base reloaded in bf16 rather than into its 4/8-bit weights.
+    The config written is the trained model's, so constructor options (``model_init_kwargs`` such as YaRN) are
+    kept. A LoRA adapter is merged in host memory (:func:`~lit_memtrain.lora.merged_copy`); a QLoRA adapter
+    into the base reloaded unquantized (:func:`reload_unquantized_base`) rather than into its 4/8-bit weights.
     """
     directory = Path(directory)
-    base = None
-    if recipe.quantized:
-        base = AutoModelForCausalLM.from_pretrained(recipe.model, dtype=torch.bfloat16)
+    base = reload_unquantized_base(recipe) if recipe.quantized else None
     merged_copy(model, base).save_pretrained(directory)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)

@@ -13,25 +13,34 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import pickle
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torchmetrics import MeanMetric
 from transformers import PreTrainedModel
 
-from lit_memtrain.attention import SDPA_BY_DOCUMENT
+from lit_memtrain.attention import SDPA_BY_DOCUMENT, VARLEN_BY_DOCUMENT, choose_document_attention
 from lit_memtrain.lora import LoraSettings, apply_lora, head_weight
-from lit_memtrain.loss import IGNORE_INDEX, chunked_cross_entropy, cross_entropy
+from lit_memtrain.loss import IGNORE_INDEX, chunked_cross_entropy, cross_entropy, transform_logits
 from lit_memtrain.model_builder import ModelRecipe, build_causal_lm, check_tokenizer_fits_model, export_hf_directory
+from lit_memtrain.moe import load_balancing_loss, router_aux_coefficient
+from lit_memtrain.optim import instantiate
+from lit_memtrain.probes import LogitTransform, probe_document_isolation, probe_logit_transform
+from lit_memtrain.throughput import attention_pairs, count_tokens, peak_flops, training_flops
+
 _BATCH_ONLY_KEYS = ("labels", "num_trainable_tokens", "num_tokens", "seq_lengths")
 _VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-_DOCUMENT_AWARE_ATTENTION = frozenset({"eager", "sdpa", "flex_attention", SDPA_BY_DOCUMENT})
+# Attention implementations whose padding-free rows equal per-document runs in this project's tests
+# (tests/test_module_padding_free.py, tests/test_attention.py); any other is probed once at setup.
+_PROVEN_DOCUMENT_ATTENTION = frozenset({"eager", "sdpa", SDPA_BY_DOCUMENT})
 
 
 def shift_targets(labels: Tensor) -> Tensor:
@@ -39,8 +48,25 @@ def shift_targets(labels: Tensor) -> Tensor:
     return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
 
 
-def _check_attn_implementation(name: str) -> None:
-    if name.startswith("flash_attention") and importlib.util.find_spec("flash_attn") is None:
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _plain_spec(spec: Any) -> dict[str, Any] | None:
+    """A ``{"class_path", "init_args"}`` spec (dict or jsonargparse namespace) as nested plain dicts."""
+    if spec is None:
+        return None
+    as_dict = spec.as_dict() if hasattr(spec, "as_dict") else dict(spec)
+    return {"class_path": as_dict["class_path"], "init_args": dict(as_dict.get("init_args") or {})}
+
+
+def _is_padding_free(batch: dict[str, Any]) -> bool:
+    return "position_ids" in batch and "attention_mask" not in batch
+
+
+def _check_attn_implementation(name: str | None) -> None:
+    if name is not None and name.startswith("flash_attention") and importlib.util.find_spec("flash_attn") is None:
         raise ValueError(
             f"attn_implementation={name!r} needs the flash-attn package, which is not installed. "
             "Install it with: pip install 'lit-memtrain[flash]' (CUDA only), or use 'sdpa'."
@@ -70,17 +96,29 @@ class CausalLMModule(LightningModule):
             from a preset takes its vocabulary size from it unless ``config_overrides`` sets ``vocab_size``.
         dtype: parameter dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto`` (the checkpoint's).
         attn_implementation: ``sdpa``, ``eager``, ``flex_attention``, ``flash_attention_2``, a hub kernel
-            name such as ``kernels-community/flash-attn``, or ``sdpa_by_document`` (SDPA once per packed
-            document, without the dense L x L mask ``sdpa`` builds for padding-free rows; see
-            :mod:`lit_memtrain.attention`).
+            name such as ``kernels-community/flash-attn``, ``sdpa_by_document`` (SDPA once per packed
+            document, without the dense L x L mask ``sdpa`` builds for padding-free rows) or
+            ``varlen_by_document`` (one torch ``varlen_attn`` kernel per packed row on CUDA); see
+            :mod:`lit_memtrain.attention`. ``None`` (the default) picks, once and logged, the fastest one that
+            keeps packed documents apart on the training device
+            (:func:`~lit_memtrain.attention.choose_document_attention`): ``sdpa_by_document`` on CPU,
+            flash-attn or ``varlen_by_document`` on CUDA; on unpacked batches each behaves as ``sdpa``.
         model_init_kwargs: extra arguments for the model constructor, e.g. YaRN
             ``{"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
             "original_max_position_embeddings": 40960}}``.
         loss_type: ``chunked`` (never materialises the logits) or ``nll`` (plain logits + cross-entropy).
         loss_chunk_size: rows per chunk of the chunked loss.
+        router_aux_loss_coef: weight of a mixture-of-experts model's router load-balancing loss in the training
+            loss; ``None`` takes the model config's ``router_aux_loss_coef``, 0 turns it off.
         learning_rate, weight_decay, betas: AdamW settings; no decay on biases and norm weights.
         warmup: warmup steps (int) or fraction of the total steps (float < 1), then cosine decay
             to ``min_lr_ratio * learning_rate``.
+        optimizer: another optimizer, as ``{"class_path": "torch.optim.SGD", "init_args": {"lr": 0.1}}`` (any
+            ``torch.optim`` class, or :mod:`lit_memtrain.optim`'s 8-bit / paged AdamW); its own init args apply
+            (``learning_rate``, ``weight_decay`` and ``betas`` are the default AdamW's), biases and norm weights
+            still get no weight decay. ``lit-memtrain fit`` links ``--optimizer`` here.
+        lr_scheduler: another schedule, as ``{"class_path": ..., "init_args": {...}}``, stepped every optimizer
+            step, in place of warmup-cosine. ``lit-memtrain fit`` links ``--lr_scheduler`` here.
 
         lora: train a LoRA adapter instead of all weights (:class:`~lit_memtrain.lora.LoraSettings`);
             with ``quantize`` the base is loaded in 4 or 8 bits (QLoRA, CUDA only). When the base comes from
@@ -88,12 +126,26 @@ class CausalLMModule(LightningModule):
         export_dir: at the end of fit, write a Hugging Face directory (model + tokenizer, adapter merged) here.
         trust_remote_code: passed to ``from_pretrained`` / ``from_config``.
 
+    Logged while training: ``train/loss`` and ``train/ppl`` (each micro-batch's), ``train/tokens``, and every
+    ``log_every_n_steps`` optimizer steps (the only device sync for it; no ``.item()`` per micro-batch)
+    ``train/tokens_per_sec`` (all ranks), ``train/device/tokens_per_sec``, ``train/device/flops_per_sec`` and,
+    on accelerators in Lightning's table of peak FLOP/s (not on CPU), ``train/device/mfu`` (model FLOPs
+    utilisation: :mod:`lit_memtrain.throughput`).
+
     Loss normalisation: every optimizer step trains on the mean loss of all its trainable target tokens,
     across gradient-accumulation micro-batches and DDP ranks, so each token weighs the same however the
     tokens fall into micro-batches (``train/loss`` shows each micro-batch's own mean).
 
     The model is built in :meth:`configure_model`, which Lightning calls inside the strategy's device context
     (directly on the training device); outside a ``Trainer``, call ``module.configure_model()`` first.
+
+    Setup probes (:mod:`lit_memtrain.probes`), a few tokens without gradients, run once: in a ``Trainer`` from
+    ``on_fit_start`` / ``on_validation_start`` (the logit probe) and at the first padding-free batch
+    (``on_train_batch_start`` / ``on_validation_batch_start``, the document probe); called directly, from the
+    first :meth:`compute_loss` or :meth:`token_losses`. The chunked loss applies the logit scale and cap the
+    model applies after its LM head, or refuses a model it cannot reproduce (naming ``loss_type="nll"``);
+    padding-free batches with an attention implementation not proven by this project's tests must keep two
+    packed documents apart, or the run stops with an error.
 
     Example:
         >>> module = CausalLMModule(preset="tiny-qwen3", tokenizer="lit-memtrain/embedded")
@@ -109,15 +161,18 @@ class CausalLMModule(LightningModule):
         config_overrides: dict[str, Any] | None = None,
         tokenizer: str | None = None,
         dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32",
-        attn_implementation: str = "sdpa",
+        attn_implementation: str | None = None,
         model_init_kwargs: dict[str, Any] | None = None,
         loss_type: Literal["chunked", "nll"] = "chunked",
         loss_chunk_size: int = 1024,
+        router_aux_loss_coef: float | None = None,
         learning_rate: float = 2e-5,
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.999),
         warmup: float = 0.03,
         min_lr_ratio: float = 0.1,
+        optimizer: dict[str, Any] | None = None,
+        lr_scheduler: dict[str, Any] | None = None,
         lora: LoraSettings | None = None,
         export_dir: str | None = None,
         trust_remote_code: bool = False,
@@ -140,9 +195,13 @@ class CausalLMModule(LightningModule):
             raise ValueError(f"loss_type must be 'chunked' or 'nll', got {loss_type!r}.")
         if loss_chunk_size < 1:
             raise ValueError(f"loss_chunk_size must be a positive number of rows, got {loss_chunk_size}.")
+        if router_aux_loss_coef is not None and router_aux_loss_coef < 0:
+            raise ValueError(f"router_aux_loss_coef must be >= 0 (0 turns it off), got {router_aux_loss_coef}.")
         if warmup < 0 or not 0 <= min_lr_ratio <= 1:
             raise ValueError(f"warmup must be >= 0 and min_lr_ratio in [0, 1]; got {warmup} and {min_lr_ratio}.")
         _check_attn_implementation(attn_implementation)
+        # LightningCLI links --optimizer / --lr_scheduler as namespaces: keep plain dicts in the hyper-parameters.
+        optimizer, lr_scheduler = _plain_spec(optimizer), _plain_spec(lr_scheduler)
         self.lora = lora
         self.save_hyperparameters()
         from lit_memtrain.tokenizer import load_tokenizer
@@ -151,12 +210,18 @@ class CausalLMModule(LightningModule):
         self.model: PreTrainedModel | None = None
         self.adapter_only_checkpoints = lora is not None and bool(model)
         self.strict_loading = not self.adapter_only_checkpoints
-        self.train_tokens_seen = 0
+        self._tokens_seen: int | Tensor = 0
         self._step_trainable_tokens: Tensor | int = 0
         self._rescale_gradients = False
-        self.first_train_loss: float | None = None
-        self.last_train_loss: float | None = None
-        self._step_started_at: float | None = None
+        self._first_loss: Tensor | None = None
+        self._last_loss: Tensor | None = None
+        self._window_started_at = 0.0
+        self._window_tokens: int | Tensor = 0
+        self._window_pairs: int | Tensor = 0
+        self._measured_at_step = 0
+        self._throughput: dict[str, float] = {}
+        self._logit_transform: LogitTransform | None = None
+        self._isolation_proven_for: str | None = None
         self.val_token_nll = MeanMetric()
         self.val_token_accuracy = MeanMetric()
 
@@ -168,75 +233,131 @@ class CausalLMModule(LightningModule):
         if self.model is not None:
             return
         model = build_causal_lm(self.recipe, self.tokenizer)
+        if self.recipe.attn_implementation is None:
+            self._choose_attention(model)
         if self.tokenizer is not None:
             check_tokenizer_fits_model(model, self.tokenizer, self.hparams.tokenizer, self.recipe)
         if self.lora is not None:
             model = apply_lora(model, self.lora)
         self.model = model.train()  # from_pretrained returns eval mode, which Lightning would keep through fit
 
+    def _choose_attention(self, model: PreTrainedModel) -> None:
+        """Switch a model built with transformers' default attention to the fastest one that keeps packed
+        documents apart on the training device, and say which."""
+        device = self._trainer.strategy.root_device if self._trainer is not None else model.device
+        precision = str(self._trainer.precision) if self._trainer is not None else ""
+        half_precision = model.dtype in (torch.float16, torch.bfloat16) or precision.startswith(("bf16", "16"))
+        name = choose_document_attention(model, device, half_precision)
+        if name != model.config._attn_implementation:
+            model.set_attn_implementation(name)
+        self.recipe = replace(self.recipe, attn_implementation=name)
+        rank_zero_info(f"attn_implementation: {name!r}, the fastest that keeps packed documents apart on {device.type}")
+
     def _model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
         inputs = {k: v for k, v in batch.items() if k not in _BATCH_ONLY_KEYS and k not in _VARLEN_KEYS}
-        if "position_ids" in batch and "attention_mask" not in batch:
-            self._check_documents_stay_apart(batch)
+        if _is_padding_free(batch):
             name = self.model.config._attn_implementation
             if "flash" in name:
                 inputs.update({k: batch[k] for k in _VARLEN_KEYS if k in batch})
-            elif name == SDPA_BY_DOCUMENT and "cu_seq_lens_q" in batch:  # read once here, not once per layer
+            elif name in (SDPA_BY_DOCUMENT, VARLEN_BY_DOCUMENT) and "cu_seq_lens_q" in batch:  # read once, not per layer
                 inputs["cu_seq_lens_q"] = batch["cu_seq_lens_q"].cpu()
         inputs["use_cache"] = False
         return inputs
 
-    def _check_documents_stay_apart(self, batch: dict[str, Any]) -> None:
-        """Padding-free rows rely on the attention implementation splitting documents at position restarts.
+    def run_setup_probes(self, batch: dict[str, Any] | None = None) -> None:
+        """Run, once each, the probes this module's loss and ``batch`` need (see the class docstring).
 
-        transformers does that for eager, sdpa and flex_attention (from ``position_ids``, with no attention mask
-        and no cache) and for flash-attention kernels (varlen, from ``cu_seq_lens``); any other implementation
-        would let packed documents attend to each other, so it is refused rather than trained on.
+        Padding-free rows rely on the attention implementation splitting documents at position restarts;
+        transformers' eager and sdpa and our ``sdpa_by_document`` are proven to by tests, any other (a new
+        kernel, a registered function, a ``trust_remote_code`` model building its own mask) is probed.
         """
-        name = self.model.config._attn_implementation
-        if name in _DOCUMENT_AWARE_ATTENTION or "flash" in name:
+        if self.hparams.loss_type == "chunked" and self._logit_transform is None:
+            self._logit_transform = probe_logit_transform(self.model)
+            if self._logit_transform != LogitTransform():
+                rank_zero_info(f"chunked loss: applying the model's logit transform {self._logit_transform}")
+        if batch is None or not _is_padding_free(batch):
             return
-        raise ValueError(
-            f"attn_implementation={name!r} is not known to keep packed documents apart in a padding-free batch, "
-            f"so documents would attend to each other. Use one of {sorted(_DOCUMENT_AWARE_ATTENTION)} or a "
-            "flash-attention kernel, or turn off packing/padding_free."
-        )
+        name = self.model.config._attn_implementation
+        if name in _PROVEN_DOCUMENT_ATTENTION or name == self._isolation_proven_for:
+            return
+        probe_document_isolation(self.model, self._model_inputs, name)
+        rank_zero_info(f"attn_implementation={name!r} keeps packed documents apart (probed at setup)")
+        self._isolation_proven_for = name
+
+    def on_fit_start(self) -> None:
+        self.run_setup_probes()
+
+    def on_validation_start(self) -> None:
+        self.run_setup_probes()
+
+    def on_validation_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.run_setup_probes(batch)
 
     def _lm_head_weight(self) -> tuple[Tensor, Tensor | None]:
         return head_weight(self.model.get_output_embeddings())
 
-    def _softcap(self) -> float | None:
-        config = self.model.config
-        for unsupported in ("logit_scale", "logits_scaling"):
-            if getattr(config, unsupported, None) not in (None, 1, 1.0):
-                raise ValueError(
-                    f"This model scales its logits ({unsupported}={getattr(config, unsupported)}), which the chunked "
-                    "loss does not replicate. Use loss_type='nll'."
-                )
-        return getattr(config, "final_logit_softcapping", None)
-
-    def _hidden_and_head(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor | None]:
+    def _hidden_and_head(
+        self, batch: dict[str, Any], output_router_logits: bool = False
+    ) -> tuple[Tensor, Tensor, Tensor | None, tuple[Tensor, ...] | None]:
+        """Final hidden states [N, H], the LM head's weight and bias, and the router logits when asked for."""
         decoder = self.model.get_decoder()
-        hidden = decoder(**self._model_inputs(batch)).last_hidden_state
+        inputs = self._model_inputs(batch)
+        if output_router_logits:
+            inputs["output_router_logits"] = True
+        outputs = decoder(**inputs)
+        hidden = outputs.last_hidden_state
         weight, bias = self._lm_head_weight()
         # A LoRA head keeps fp32 adapters on a bf16 base: compute the loss in the hidden states' dtype.
         bias = bias.to(hidden.dtype) if bias is not None else None
-        return hidden.flatten(0, 1), weight.to(hidden.dtype), bias
+        router_logits = getattr(outputs, "router_logits", None) if output_router_logits else None
+        return hidden.flatten(0, 1), weight.to(hidden.dtype), bias, router_logits
+
+    def router_aux_weight(self) -> float:
+        """Weight of the router load-balancing loss: ``router_aux_loss_coef``, else the model config's; 0 for a
+        model without routers."""
+        return router_aux_coefficient(self.model, self.hparams.router_aux_loss_coef)
 
     def compute_loss(self, batch: dict[str, Any], num_items: int | Tensor | None = None) -> Tensor:
-        """Mean cross-entropy over the batch's trainable target tokens (or divided by ``num_items``)."""
+        """Mean cross-entropy over the batch's trainable target tokens (or divided by ``num_items``), plus the
+        router load-balancing loss of a mixture-of-experts model.
+
+        The load-balancing loss is the model's own (``router_aux_weight() * aux``), weighted by this
+        batch's share of the ``num_items`` trainable tokens, like its cross-entropy terms: with ``num_items``
+        left out the result is the model's own loss; summed over the micro-batches of a step it is the mean
+        cross-entropy plus the token-weighted mean of the micro-batches' load-balancing losses.
+        """
+        self.run_setup_probes(batch)
         targets = shift_targets(batch["labels"]).flatten()
+        coefficient = self.router_aux_weight()
         if self.hparams.loss_type == "nll":
-            logits = self.model(**self._model_inputs(batch)).logits
-            return cross_entropy(logits.flatten(0, 1), targets, num_items)
-        hidden, weight, bias = self._hidden_and_head(batch)
-        return chunked_cross_entropy(
-            hidden, weight, targets, num_items, self.hparams.loss_chunk_size, self._softcap(), bias
-        )
+            inputs = self._model_inputs(batch)
+            if coefficient:
+                inputs["output_router_logits"] = True
+            outputs = self.model(**inputs)
+            loss = cross_entropy(outputs.logits.flatten(0, 1), targets, num_items)
+            aux = getattr(outputs, "aux_loss", None) if coefficient else None
+        else:
+            hidden, weight, bias, router_logits = self._hidden_and_head(batch, output_router_logits=bool(coefficient))
+            transform = self._logit_transform
+            loss = chunked_cross_entropy(
+                hidden, weight, targets, num_items, self.hparams.loss_chunk_size, transform.softcap, bias, transform.scale
+            )
+            aux = load_balancing_loss(self.model, router_logits, batch.get("attention_mask")) if coefficient else None
+        if not coefficient:
+            return loss
+        if aux is None:
+            raise ValueError(
+                f"{type(self.model).__name__} has routers but returned no aux_loss with output_router_logits=True; "
+                "set router_aux_loss_coef=0 to train without the load-balancing loss."
+            )
+        trainable = (targets != IGNORE_INDEX).sum()
+        share = trainable / (trainable if num_items is None else torch.as_tensor(num_items, device=trainable.device)).clamp(min=1)
+        return loss + coefficient * aux.to(loss.device) * share
 
     @torch.no_grad()
     def token_losses(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor]:
         """Per-token loss, correctness of the argmax prediction, and position in document, for trainable targets."""
+        self.run_setup_probes(batch)
         targets = shift_targets(batch["labels"]).flatten()
         keep = targets != IGNORE_INDEX
         if "position_ids" in batch:
@@ -246,16 +367,15 @@ class CausalLMModule(LightningModule):
             positions = positions.flatten()
         if self.hparams.loss_type == "nll":
             hidden = self.model(**self._model_inputs(batch)).logits.flatten(0, 1)[keep]
-            weight, bias, softcap = None, None, None
+            weight, bias, transform = None, None, LogitTransform()
         else:
-            hidden, weight, bias = self._hidden_and_head(batch)
-            hidden, softcap = hidden[keep], self._softcap()
+            hidden, weight, bias, _ = self._hidden_and_head(batch)
+            hidden, transform = hidden[keep], self._logit_transform
         losses, correct = [], []
         for start in range(0, hidden.shape[0], self.hparams.loss_chunk_size):
             rows = hidden[start : start + self.hparams.loss_chunk_size]
             logits = rows.float() if weight is None else F.linear(rows, weight, bias).float()
-            if softcap:
-                logits = softcap * torch.tanh(logits / softcap)
+            logits = transform_logits(logits, transform.softcap, transform.scale)
             chunk_targets = targets[keep][start : start + self.hparams.loss_chunk_size]
             losses.append(F.cross_entropy(logits, chunk_targets, reduction="none"))
             correct.append(logits.argmax(-1) == chunk_targets)
@@ -268,12 +388,8 @@ class CausalLMModule(LightningModule):
 
     @staticmethod
     def count_tokens(batch: dict[str, Any]) -> int:
-        """Real (non-padding) input tokens in a batch."""
-        if "num_tokens" in batch:
-            return int(batch["num_tokens"])
-        if "attention_mask" in batch:
-            return int(batch["attention_mask"].sum())
-        return batch["input_ids"].numel()
+        """Real (non-padding) input tokens in a batch (a device sync when they are counted on a device)."""
+        return int(count_tokens(batch))
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         # With several micro-batches or ranks per step, the loss returned for backward is the sum of token
@@ -288,14 +404,13 @@ class CausalLMModule(LightningModule):
         else:  # one micro-batch on one device: its own mean is the step's mean
             loss = self.compute_loss(batch)
             mean = loss.detach()
-        self.train_tokens_seen += self.count_tokens(batch)
-        value = mean.item()
-        if self.first_train_loss is None:
-            self.first_train_loss = value
-        self.last_train_loss = value
+        if self._first_loss is None:  # kept on the device: reading it now would wait for the step to finish
+            self._first_loss = mean
+        self._last_loss = mean
         self.log("train/loss", mean, prog_bar=True)
-        self.log("train/ppl", math.exp(min(value, 50.0)))
-        self.log("train/tokens", float(self.train_tokens_seen))
+        self.log("train/ppl", torch.exp(mean.clamp(max=50.0)))
+        seen = self._tokens_seen
+        self.log("train/tokens", seen.float() if isinstance(seen, Tensor) else float(seen))
         return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -317,15 +432,85 @@ class CausalLMModule(LightningModule):
                     param.grad.mul_(factor.to(param.grad.device, param.grad.dtype))
         self._step_trainable_tokens = 0
 
+    @property
+    def first_train_loss(self) -> float | None:
+        """Mean loss of the first training micro-batch (read from the device when asked for)."""
+        return None if self._first_loss is None else float(self._first_loss)
+
+    @first_train_loss.setter
+    def first_train_loss(self, value: float | None) -> None:
+        self._first_loss = None if value is None else torch.tensor(value)
+
+    @property
+    def last_train_loss(self) -> float | None:
+        """Mean loss of the latest training micro-batch (read from the device when asked for)."""
+        return None if self._last_loss is None else float(self._last_loss)
+
+    @last_train_loss.setter
+    def last_train_loss(self, value: float | None) -> None:
+        self._last_loss = None if value is None else torch.tensor(value)
+
+    @property
+    def train_tokens_seen(self) -> int:
+        """Real tokens of all training batches so far, this rank (read from the device when asked for)."""
+        return int(self._tokens_seen)
+
+    @train_tokens_seen.setter
+    def train_tokens_seen(self, value: int) -> None:
+        self._tokens_seen = value
+
+    def on_train_start(self) -> None:
+        _synchronize(self.device)
+        self._window_started_at, self._window_tokens, self._window_pairs = time.perf_counter(), 0, 0
+        self._measured_at_step = self.trainer.global_step
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._step_started_at = time.perf_counter()
-        self._step_tokens = self.count_tokens(batch)
+        self.run_setup_probes(batch)
+        tokens = count_tokens(batch)  # device tensors when counted there, read at the next measurement only
+        self._tokens_seen = self._tokens_seen + tokens
+        self._window_tokens = self._window_tokens + tokens
+        self._window_pairs = self._window_pairs + attention_pairs(batch)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        elapsed = time.perf_counter() - self._step_started_at
-        if elapsed > 0:
-            tokens_per_sec = self._step_tokens * self.trainer.world_size / elapsed
-            self.log("train/tokens_per_sec", tokens_per_sec, prog_bar=True)
+        """Measure throughput every ``log_every_n_steps`` optimizer steps (and at the last), the only time the
+        device is synchronised for it; log the latest measurement at every batch."""
+        step = self.trainer.global_step
+        last = 0 < self.trainer.max_steps <= step
+        if step != self._measured_at_step and (step % self.trainer.log_every_n_steps == 0 or last):
+            self._throughput = self._measure_throughput()
+            self._measured_at_step = step
+        for name, value in self._throughput.items():
+            self.log(name, value, prog_bar=name == "train/tokens_per_sec")
+
+    def _measure_throughput(self) -> dict[str, float]:
+        """Tokens/s over all ranks and per device, model FLOP/s per device and, where the device's peak is
+        known (not on CPU), model FLOPs utilisation, since the last measurement."""
+        _synchronize(self.device)
+        now = time.perf_counter()
+        elapsed = max(now - self._window_started_at, 1e-9)
+        tokens = int(self._window_tokens)
+        total = tokens
+        if self.trainer.world_size > 1:
+            total = int(self.trainer.strategy.reduce(torch.tensor(tokens, device=self.device), reduce_op="sum"))
+        flops_per_sec = training_flops(self.model, tokens, self._window_pairs) / elapsed
+        metrics = {
+            "train/tokens_per_sec": total / elapsed,
+            "train/device/tokens_per_sec": tokens / elapsed,
+            "train/device/flops_per_sec": flops_per_sec,
+        }
+        peak = peak_flops(self.device, self._compute_dtype())
+        if peak:
+            metrics["train/device/mfu"] = flops_per_sec / peak
+        self._window_started_at, self._window_tokens, self._window_pairs = now, 0, 0
+        return metrics
+
+    def _compute_dtype(self) -> torch.dtype:
+        precision = str(self.trainer.precision)
+        if precision.startswith("bf16"):
+            return torch.bfloat16
+        if precision.startswith("16"):
+            return torch.float16
+        return self.model.dtype
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Tensor]:
         losses, correct, positions = self.token_losses(batch)
@@ -346,6 +531,8 @@ class CausalLMModule(LightningModule):
             self.val_token_accuracy.reset()
 
     def configure_optimizers(self) -> dict[str, Any]:
+        """AdamW (or ``optimizer``) with no weight decay on biases and norm weights, stepped every optimizer
+        step by the warmup-cosine schedule (or ``lr_scheduler``)."""
         hp = self.hparams
         trainable = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
         low_precision = [n for n, p in trainable if p.dtype in (torch.bfloat16, torch.float16)]
@@ -358,12 +545,21 @@ class CausalLMModule(LightningModule):
             )
         decay = [p for n, p in trainable if p.ndim >= 2]
         no_decay = [p for n, p in trainable if p.ndim < 2]
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=hp.learning_rate,
-            betas=tuple(hp.betas),
-            fused=_fused_adamw_supported([p for _, p in trainable]),
-        )
+        if hp.optimizer:  # its own init args, weight_decay included, apply to the decayed group
+            optimizer = instantiate(hp.optimizer, [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}])
+        else:
+            optimizer = torch.optim.AdamW(
+                [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+                lr=hp.learning_rate,
+                betas=tuple(hp.betas),
+                fused=self._fused_adamw_allowed([p for _, p in trainable]),
+            )
+        if hp.lr_scheduler:
+            scheduler = instantiate(hp.lr_scheduler, optimizer)
+            config = {"scheduler": scheduler, "interval": "step"}
+            if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                config["monitor"] = getattr(scheduler, "monitor", "train/loss")
+            return {"optimizer": optimizer, "lr_scheduler": config}
         total = max(1, int(self.trainer.estimated_stepping_batches))
         warmup = int(hp.warmup * total) if hp.warmup < 1 else int(hp.warmup)
 
@@ -375,6 +571,15 @@ class CausalLMModule(LightningModule):
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _fused_adamw_allowed(self, params: list[Tensor]) -> bool:
+        """Fused AdamW where its kernel runs and Lightning's precision plugin accepts it: an fp16 GradScaler
+        (``precision="16-mixed"``) cannot clip the gradients of an optimizer that unscales them itself."""
+        if not _fused_adamw_supported(params):
+            return False
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        clipping = bool(self.trainer.gradient_clip_val)
+        return not (scaler is not None and clipping)
 
     def on_train_end(self) -> None:
         if self.first_train_loss is not None:
@@ -407,3 +612,23 @@ class CausalLMModule(LightningModule):
     def export(self, directory: str | Path) -> Path:
         """Write a Hugging Face directory (model with any adapter merged, and tokenizer) that ``from_pretrained`` loads."""
         return export_hf_directory(self.model, self.recipe, directory, self.tokenizer)
+
+
+def load_checkpoint(path: str | Path, map_location: str = "cpu") -> CausalLMModule:
+    """``CausalLMModule.load_from_checkpoint`` with ``weights_only=True``: tensors, plain values and this
+    project's own hyper-parameter types only, so an untrusted ``.ckpt`` cannot run code while it loads.
+
+    Raises:
+        pickle.UnpicklingError: the checkpoint holds anything else, with what was found and what to do.
+    """
+    try:
+        return CausalLMModule.load_from_checkpoint(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as error:
+        found = next((line.strip() for line in str(error).splitlines() if "GLOBAL" in line or "global" in line), "")
+        raise pickle.UnpicklingError(
+            f"Refused to load {str(path)!r}: it holds Python objects other than tensors, plain values and "
+            f"lit-memtrain's own settings ({found or str(error).splitlines()[0]}), which could run code while "
+            "loading. Only checkpoints written by lit-memtrain load here; if you wrote this one yourself and trust "
+            "it, load it in Python with CausalLMModule.load_from_checkpoint(path, weights_only=False)."
+        ) from error
+

@@ -13,6 +13,11 @@ chooses. One tile's I-wide intermediates are then about ``H x I`` elements each,
 matrix, so the MLP transient stays at the scale of the weights at any sequence length; the 1024-token floor
 keeps small models from running many tiny, slow matmuls.
 
+Mixture-of-experts blocks: the experts act on every token independently too, given its routing, so their
+module is tiled over the tokens with the expert indices and routing weights as tiled inputs; the router
+runs once outside the tiles (the memory is in the experts' intermediates, not in the [T, experts] router
+logits), which keeps the load-balancing loss and the router's gradients those of the untiled step.
+
 The random state is replayed in backward (CPU and CUDA generators), so dropout inside the MLP (LoRA's)
 draws the same masks when a tile is recomputed. Tiles draw their masks one after another, so they differ
 from the masks of an untiled call with the same seed (equally valid, not equal).
@@ -26,6 +31,7 @@ inside the MLP and FSDP2's unsharded parameters are included.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -59,56 +65,78 @@ def _tile_bounds(length: int, num_tiles: int) -> list[tuple[int, int]]:
     return [(start, min(start + size, length)) for start in range(0, length, size)]
 
 
-class _TiledMLPFunction(torch.autograd.Function):
+class _TiledFunction(torch.autograd.Function):
+    """``forward(*inputs)`` run over tiles of the inputs' dimension ``dim``, recomputed tile by tile in backward.
+
+    The first ``num_inputs`` tensors are tiled (a dense MLP: the hidden states, tokens on dim -2; an experts
+    module: hidden states, expert indices and routing weights, tokens on dim 0); the rest are the parameters.
+    """
+
     @staticmethod
-    def forward(ctx: Any, forward: Callable[[Tensor], Tensor], num_tiles: int, x: Tensor, *params: Tensor) -> Tensor:
-        bounds = _tile_bounds(x.shape[-2], num_tiles)
+    def forward(
+        ctx: Any, forward: Callable[..., Tensor], num_tiles: int, dim: int, num_inputs: int, *tensors: Tensor
+    ) -> Tensor:
+        inputs, params = tensors[:num_inputs], tensors[num_inputs:]
+        length = inputs[0].shape[dim]
+        bounds = _tile_bounds(length, num_tiles)
+        device = inputs[0].device
         # Dropout inside the MLP (LoRA's) must draw the same masks when backward recomputes the tiles.
-        ctx.rng_states = (torch.get_rng_state(), torch.cuda.get_rng_state(x.device) if x.is_cuda else None)
+        ctx.rng_states = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
         # Autocast is off inside a custom backward: remember it so the recomputed tiles match forward's dtypes.
-        autocast_dtype = active_autocast_dtype(x.device.type)
-        ctx.autocast = (x.device.type, autocast_dtype) if autocast_dtype is not None else None
-        inputs = x.detach()  # tiles of x itself would be views that claim requires_grad without a grad_fn
+        autocast_dtype = active_autocast_dtype(device.type)
+        ctx.autocast = (device.type, autocast_dtype) if autocast_dtype is not None else None
+        detached = [t.detach() for t in inputs]  # tiles of the inputs themselves would claim requires_grad
         out: Tensor | None = None
         for start, end in bounds:
-            tile_out = forward(inputs[..., start:end, :])
+            tile_out = forward(*(t.narrow(dim, start, end - start) for t in detached))
             if out is None:
-                out = tile_out.new_empty((*x.shape[:-1], tile_out.shape[-1]))
-            out[..., start:end, :] = tile_out
-        ctx.forward = forward
-        ctx.bounds = bounds
-        ctx.save_for_backward(x, *params)
+                shape = list(tile_out.shape)
+                shape[dim] = length
+                out = tile_out.new_empty(shape)
+            out.narrow(dim, start, end - start).copy_(tile_out)
+        ctx.forward, ctx.bounds, ctx.dim, ctx.num_inputs = forward, bounds, dim, num_inputs
+        ctx.save_for_backward(*inputs, *params)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        x, *params = ctx.saved_tensors
-        needs_x = ctx.needs_input_grad[2]
-        grad_x = torch.empty_like(x) if needs_x else None
+        saved = ctx.saved_tensors
+        inputs, params = saved[: ctx.num_inputs], saved[ctx.num_inputs :]
+        needs = ctx.needs_input_grad[4 : 4 + ctx.num_inputs]
+        grad_inputs = [torch.zeros_like(t) if need else None for t, need in zip(inputs, needs)]
         grad_params: list[Tensor | None] = [None] * len(params)
+        device, dim = inputs[0].device, ctx.dim
         cpu_state, cuda_state = ctx.rng_states
-        with torch.random.fork_rng(devices=[x.device] if cuda_state is not None else []):
+        with torch.random.fork_rng(devices=[device] if cuda_state is not None else []):
             torch.set_rng_state(cpu_state)
             if cuda_state is not None:
-                torch.cuda.set_rng_state(cuda_state, x.device)
+                torch.cuda.set_rng_state(cuda_state, device)
             for start, end in ctx.bounds:
-                x_tile = x[..., start:end, :].detach().requires_grad_(needs_x)
+                tiles = [t.narrow(dim, start, end - start).detach().requires_grad_(n) for t, n in zip(inputs, needs)]
                 autocast = torch.autocast(*ctx.autocast) if ctx.autocast else contextlib.nullcontext()
                 with torch.enable_grad(), autocast:
-                    tile_out = ctx.forward(x_tile)
-                inputs = [x_tile, *params] if needs_x else params
-                grads = torch.autograd.grad(tile_out, inputs, grad_out[..., start:end, :], allow_unused=True)
-                if needs_x:
-                    grad_x[..., start:end, :] = grads[0]
-                    grads = grads[1:]
-                for index, grad in enumerate(grads):
+                    tile_out = ctx.forward(*tiles)
+                wanted = [tile for tile, need in zip(tiles, needs) if need]
+                grads = torch.autograd.grad(
+                    tile_out, [*wanted, *params], grad_out.narrow(dim, start, end - start), allow_unused=True
+                )
+                input_grads = iter(grads[: len(wanted)])
+                for index, need in enumerate(needs):
+                    grad = next(input_grads) if need else None
+                    if grad is not None:
+                        grad_inputs[index].narrow(dim, start, end - start).copy_(grad)
+                for index, grad in enumerate(grads[len(wanted) :]):
                     if grad is None:
                         continue
                     if grad_params[index] is None:
                         grad_params[index] = grad
                     else:
                         grad_params[index] += grad
-        return None, None, grad_x, *grad_params
+        return None, None, None, None, *grad_inputs, *grad_params
+
+
+def _trainable(module: nn.Module) -> list[Tensor]:
+    return [param for param in module.parameters() if param.requires_grad]
 
 
 def _tiled(mlp: nn.Module, forward: Callable[[Tensor], Tensor], num_tiles: int | None) -> Callable[[Tensor], Tensor]:
@@ -116,15 +144,65 @@ def _tiled(mlp: nn.Module, forward: Callable[[Tensor], Tensor], num_tiles: int |
         tiles = num_tiles if num_tiles is not None else mlp_tiles(x.shape[-2], x.shape[-1])
         if min(tiles, x.shape[-2]) <= 1:
             return forward(x)
-        params = [param for param in mlp.parameters() if param.requires_grad]
-        return _TiledMLPFunction.apply(forward, tiles, x, *params)
+        return _TiledFunction.apply(forward, tiles, -2, 1, x, *_trainable(mlp))
 
     setattr(tiled_forward, _MARKER, True)
     return tiled_forward
 
 
+def _tiled_experts(
+    experts: nn.Module, forward: Callable[..., Tensor], num_tiles: int | None
+) -> Callable[..., Tensor]:
+    """Tile an experts module called as ``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])``.
+
+    The router stays outside (its logits, recorded for the load-balancing loss, keep their graph) and the
+    routing weights are a tiled input, so the router gets the gradients of the untiled step.
+    """
+    signature = inspect.signature(forward)
+
+    def tiled_forward(*args: Any, **kwargs: Any) -> Tensor:
+        bound = signature.bind(*args, **kwargs)
+        values = list(bound.arguments.values())
+        hidden = values[0]
+        tiles = num_tiles if num_tiles is not None else mlp_tiles(hidden.shape[0], hidden.shape[-1])
+        if len(values) != 3 or hidden.dim() != 2 or min(tiles, hidden.shape[0]) <= 1:
+            return forward(*args, **kwargs)
+        return _TiledFunction.apply(forward, tiles, 0, 3, *values, *_trainable(experts))
+
+    setattr(tiled_forward, _MARKER, True)
+    return tiled_forward
+
+
+def _experts_of(index: int, layer: nn.Module, mlp: nn.Module) -> nn.Module | None:
+    """The experts module of a mixture-of-experts block, ``None`` for a dense MLP; raises for a block whose
+    experts cannot be tiled."""
+    experts = getattr(mlp, "experts", None)
+    if experts is None and getattr(mlp, "router", None) is None:
+        return None
+    tileable = isinstance(experts, nn.Module) and not isinstance(experts, (nn.ModuleList, nn.ModuleDict))
+    if tileable:
+        positional = [
+            p for p in inspect.signature(experts.forward).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        tileable = len(positional) == 3
+    if not tileable:
+        raise ValueError(
+            f"Decoder layer {index} ({type(layer).__name__}) has a mixture-of-experts 'mlp' ({type(mlp).__name__}) "
+            "whose experts TiledMLP cannot tile: it tiles an 'experts' module called as experts(hidden_states, "
+            "top_k_index, top_k_weights) (transformers 5 MoE models), not one module per expert. Leave TiledMLP "
+            "out for this model."
+        )
+    return experts
+
+
 def apply_tiled_mlp(layers: Iterable[nn.Module], num_tiles: int | None = None) -> Callable[[], None]:
     """Run the ``mlp`` of every decoder layer over the sequence in tiles.
+
+    A dense ``mlp`` is tiled whole. In a mixture-of-experts block (an ``mlp`` with an ``experts`` module, as
+    transformers 5 builds Qwen3-MoE, Mixtral or GPT-OSS) only the experts are tiled, over the tokens: the
+    router runs once, untiled, so its logits keep their graph for the load-balancing loss and the routing
+    weights' gradients reach it as in an untiled step. Models mixing dense and sparse layers get both.
 
     Args:
         layers: decoder layers, each with an ``mlp`` submodule taking [..., L, H] (see
@@ -135,15 +213,15 @@ def apply_tiled_mlp(layers: Iterable[nn.Module], num_tiles: int | None = None) -
         A function that restores the MLPs' original ``forward``.
 
     Raises:
-        ValueError: ``num_tiles`` is not a positive int, a layer has no ``mlp`` submodule, or an MLP is
-            already tiled.
+        ValueError: ``num_tiles`` is not a positive int, a layer has no ``mlp`` submodule, a mixture-of-experts
+            ``mlp`` has no tileable ``experts`` module (the error names the layer), or an MLP is already tiled.
 
     Example:
         >>> restore = apply_tiled_mlp(find_decoder_layers(model))  # doctest: +SKIP
     """
     validate_num_tiles(num_tiles)
     layers = list(layers)
-    mlps = []
+    mlps, experts = [], []
     for index, layer in enumerate(layers):
         mlp = getattr(layer, "mlp", None)
         if not isinstance(mlp, nn.Module):
@@ -151,9 +229,18 @@ def apply_tiled_mlp(layers: Iterable[nn.Module], num_tiles: int | None = None) -
             raise ValueError(
                 f"Decoder layer {index} ({type(layer).__name__}) has no 'mlp' submodule to tile; its children are: "
                 f"{children}. Tiled MLP supports layers whose feed-forward block is named 'mlp' (Llama, Qwen, "
-                "Mistral, Gemma...); mixture-of-experts blocks are not supported."
+                "Mistral, Gemma, and the mixture-of-experts Qwen3-MoE, Mixtral, GPT-OSS...)."
             )
-        if getattr(mlp.forward, _MARKER, False):
+        sparse = _experts_of(index, layer, mlp)
+        target = mlp if sparse is None else sparse
+        if getattr(target.forward, _MARKER, False):
             raise ValueError(f"The MLP of decoder layer {index} is already tiled; apply_tiled_mlp once.")
-        mlps.append(mlp)
-    return wrap_forwards(mlps, lambda mlp, forward: _tiled(mlp, forward, num_tiles))
+        (mlps if sparse is None else experts).append(target)
+    restore_mlps = wrap_forwards(mlps, lambda mlp, forward: _tiled(mlp, forward, num_tiles))
+    restore_experts = wrap_forwards(experts, lambda module, forward: _tiled_experts(module, forward, num_tiles))
+
+    def restore() -> None:
+        restore_mlps()
+        restore_experts()
+
+    return restore

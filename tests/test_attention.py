@@ -7,7 +7,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, StaticCache
 
 from lit_memtrain import CausalLMModule
-from lit_memtrain.attention import SDPA_BY_DOCUMENT, sdpa_by_document
+from lit_memtrain.attention import SDPA_BY_DOCUMENT, VARLEN_BY_DOCUMENT, sdpa_by_document
 from lit_memtrain.datamodules.padding_free import PaddingFreeCollator
 from lit_memtrain.presets import build_config
 
@@ -151,24 +151,26 @@ def test_no_dense_mask_is_built_for_a_packed_row() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_bf16_packed_row_and_gradients_match_sdpa() -> None:
-    """On a GPU SDPA may pick its flash kernel per document; sdpa has to mask a dense row instead."""
+@pytest.mark.parametrize("ours", [SDPA_BY_DOCUMENT, VARLEN_BY_DOCUMENT])
+def test_cuda_bf16_packed_row_and_gradients_match_sdpa(ours: str) -> None:
+    """On a GPU SDPA may pick its flash kernel per document (varlen_by_document: one varlen_attn call per row);
+    sdpa has to mask a dense row instead."""
     results = {}
-    for attention in ("sdpa", SDPA_BY_DOCUMENT):
+    for attention in ("sdpa", ours):
         model = build_model(attention, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
         model = model.to("cuda", torch.bfloat16).train()
         batch = PaddingFreeCollator(pad_to_multiple_of=64)(
             [{"input_ids": torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n))} for n in (700, 90, 333)]
         )
         batch = {key: value.cuda() if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
-        extra = {"cu_seq_lens_q": batch["cu_seq_lens_q"].cpu()} if attention == SDPA_BY_DOCUMENT else {}
+        extra = {"cu_seq_lens_q": batch["cu_seq_lens_q"].cpu()} if attention == ours else {}
         logits = model(
             input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False, **extra
         ).logits.float()
         logits.square().mean().backward()
         results[attention] = (logits.detach(), model.model.layers[0].self_attn.q_proj.weight.grad.float())
-    torch.testing.assert_close(results[SDPA_BY_DOCUMENT][0], results["sdpa"][0], atol=3e-2, rtol=3e-2)
-    torch.testing.assert_close(results[SDPA_BY_DOCUMENT][1], results["sdpa"][1], atol=3e-2, rtol=5e-2)
+    torch.testing.assert_close(results[ours][0], results["sdpa"][0], atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(results[ours][1], results["sdpa"][1], atol=3e-2, rtol=5e-2)
 
 
 def test_grouped_heads_wider_than_256_and_empty_documents() -> None:
@@ -227,3 +229,98 @@ def test_masks_that_are_not_plain_causal_reach_sdpa(model_type: str, overrides: 
             atol=1e-5,
             rtol=0,
         )
+
+
+def _reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=None,
+                      is_causal=None, enable_gqa=False):  # fmt: skip
+    """torch's varlen_attn contract ([T, heads, D], causal over each cu_seq segment), on any device: stands in for
+    the CUDA kernel so the wiring around it (layout, bounds, grouped heads, causality, scale) is tested here."""
+    assert window_size == (-1, 0) or is_causal is True
+    assert cu_seq_q.dtype == torch.int32 and torch.equal(cu_seq_q, cu_seq_k)
+    lengths = (cu_seq_q[1:] - cu_seq_q[:-1]).tolist()
+    assert max_q == max_k == max(lengths) and min(lengths) > 0
+    outputs = []
+    for start, stop in zip(cu_seq_q[:-1].tolist(), cu_seq_q[1:].tolist()):
+        q, k, v = (t[start:stop].transpose(0, 1)[None] for t in (query, key, value))
+        outputs.append(
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)[0]
+        )
+    return torch.cat(outputs, dim=1).transpose(0, 1)
+
+
+@pytest.mark.parametrize(
+    ("causal", "takes_groups"), [({"window_size": (-1, 0)}, True), ({"is_causal": True}, False)]
+)
+def test_varlen_by_document_puts_a_row_through_one_varlen_call(monkeypatch, causal, takes_groups) -> None:
+    import lit_memtrain.attention as attention
+
+    calls = []
+
+    def kernel(*args, **kwargs):
+        calls.append(args[3].tolist())
+        if not takes_groups:
+            assert args[1].shape[1] == args[0].shape[1]  # heads repeated for a kernel without grouped heads
+        return _reference_varlen(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "_VARLEN_KERNEL", (kernel, causal, takes_groups))
+    monkeypatch.setattr(attention, "_varlen_runs", lambda query, dropout: True)
+    ours, reference = build_model(VARLEN_BY_DOCUMENT), build_model("sdpa")
+    ours.train()
+    reference.train()
+    batch = PaddingFreeCollator()(documents(ours.config.vocab_size))
+    bounds = torch.tensor([0, 5, 5, 8, 15])  # an empty document is left out of the kernel's bounds
+    inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
+    ours_logits = ours(**inputs, cu_seq_lens_q=bounds).logits
+    reference_logits = reference(**inputs).logits
+    torch.testing.assert_close(ours_logits, reference_logits, atol=1e-5, rtol=1e-5)
+    ours_logits.square().mean().backward()
+    reference_logits.square().mean().backward()
+    for (name, a), b in zip(ours.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-4, msg=name)
+    assert calls == [[0, 5, 8, 15]] * ours.config.num_hidden_layers  # one call per layer for the whole row
+
+
+def test_varlen_by_document_without_its_kernel_is_sdpa_by_document() -> None:
+    ours, reference = build_model(VARLEN_BY_DOCUMENT), build_model(SDPA_BY_DOCUMENT)
+    batch = PaddingFreeCollator()(documents(ours.config.vocab_size))
+    with torch.no_grad():  # on a CPU (or in fp32) the varlen kernel cannot run: per-document SDPA
+        torch.testing.assert_close(
+            ours(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits,
+            reference(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits,
+        )
+
+
+@pytest.mark.parametrize(
+    ("flash_attn", "varlen", "expected"),
+    [(True, True, "flash_attention_2"), (False, True, "varlen_by_document"), (False, False, SDPA_BY_DOCUMENT)],
+)
+def test_the_default_attention_is_the_fastest_that_keeps_documents_apart_on_the_device(
+    monkeypatch, flash_attn, varlen, expected
+) -> None:
+    import importlib.util
+
+    import lit_memtrain.attention as attention
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" and flash_attn else find_spec(name, *a))
+    monkeypatch.setattr(attention, "_VARLEN_KERNEL", (None, {}, True) if varlen else None)
+    model = build_model("sdpa")
+    assert attention.choose_document_attention(model, torch.device("cuda"), half_precision=True) == expected
+    fp32 = attention.choose_document_attention(model, torch.device("cuda"), half_precision=False)
+    assert fp32 == (VARLEN_BY_DOCUMENT if varlen else SDPA_BY_DOCUMENT)  # flash-attn refuses fp32
+    assert attention.choose_document_attention(model, torch.device("cpu"), half_precision=True) == SDPA_BY_DOCUMENT
+    gemma2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gemma2", **SMALL))  # attention softcap: no sdpa
+    assert attention.choose_document_attention(gemma2, torch.device("cuda"), half_precision=True) == "eager"
+
+
+def test_a_module_that_names_no_attention_gets_sdpa_by_document_on_cpu_chosen_once_and_logged(caplog) -> None:
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        module = CausalLMModule(preset="tiny-qwen3")
+        module.configure_model()
+        module.configure_model()
+    assert module.model.config._attn_implementation == SDPA_BY_DOCUMENT
+    assert [r.message for r in caplog.records if "attn_implementation" in r.message] == [
+        "attn_implementation: 'sdpa_by_document', the fastest that keeps packed documents apart on cpu"
+    ]

@@ -116,3 +116,84 @@ def test_lora_with_every_memory_technique_matches_plain_lora(base_dir):
     for name, p in tuned.model.named_parameters():
         if p.requires_grad:
             torch.testing.assert_close(p.grad, expected[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+YARN = {"rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 4.0, "original_max_position_embeddings": 512}
+
+
+def _randomise_adapters(model: torch.nn.Module) -> None:
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, generator=torch.Generator().manual_seed(len(name)), std=0.02)
+
+
+def test_yarn_lora_export_keeps_rope_parameters_and_reloads_to_the_same_logits(base_dir, tmp_path):
+    import json
+
+    module = CausalLMModule(
+        model=base_dir, tokenizer="lit-memtrain/embedded", lora=LoraSettings(r=4, alpha=8, lm_head=True),
+        model_init_kwargs={"rope_parameters": YARN},
+    )
+    module.configure_model()
+    _randomise_adapters(module.model)
+    path = module.export(tmp_path / "merged")
+    assert json.loads((path / "config.json").read_text())["rope_parameters"]["rope_type"] == "yarn"
+    reloaded = AutoModelForCausalLM.from_pretrained(path)
+    assert reloaded.model.rotary_emb.rope_type == "yarn"
+    ids = _batch(reloaded.config.vocab_size)["input_ids"]
+    module.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, module.model(ids).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_the_lora_merge_copies_tensors_to_host_memory_and_leaves_the_training_model_untouched(base_dir, monkeypatch):
+    from lit_memtrain.lora import merged_copy
+
+    module = CausalLMModule(model=base_dir, lora=LoraSettings(r=4, alpha=8, lm_head=True))
+    module.configure_model()
+    _randomise_adapters(module.model)
+    before = {name: p.detach().clone() for name, p in module.model.named_parameters()}
+
+    def cloned_on_its_device(self, memo):
+        raise AssertionError("a tensor of the training model was deep-copied on its own device")
+
+    monkeypatch.setattr(torch.Tensor, "__deepcopy__", cloned_on_its_device)
+    monkeypatch.setattr(torch.nn.Parameter, "__deepcopy__", cloned_on_its_device)
+    merged = merged_copy(module.model)
+    monkeypatch.undo()
+    assert all(p.device.type == "cpu" for p in merged.parameters())
+    training = {p.untyped_storage().data_ptr() for p in module.model.parameters()}
+    assert not training & {p.untyped_storage().data_ptr() for p in merged.parameters()}
+    for name, p in module.model.named_parameters():
+        assert torch.equal(p, before[name]), name
+
+
+def test_qlora_export_reloads_the_base_with_the_runs_init_kwargs_dtype_and_trust_remote_code(base_dir, tmp_path, monkeypatch):
+    """The QLoRA path (CUDA only for training) with its quantized check skipped: the base is reloaded unquantized
+    with what the run was built with, and the adapter merged into it."""
+    import json
+
+    import lit_memtrain.model_builder as model_builder
+    from lit_memtrain.model_builder import ModelRecipe, export_hf_directory
+
+    monkeypatch.setattr(model_builder, "check_quantization_available", lambda settings: None)
+    reloads = []
+    from_pretrained = AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(
+        AutoModelForCausalLM, "from_pretrained", lambda *args, **kwargs: reloads.append(kwargs) or from_pretrained(*args, **kwargs)
+    )
+    lora = LoraSettings(r=4, alpha=8, quantize="4bit")
+    recipe = ModelRecipe(model=base_dir, dtype="bfloat16", model_init_kwargs={"rope_parameters": YARN}, lora=lora)
+    trained = CausalLMModule(model=base_dir, lora=LoraSettings(r=4, alpha=8), model_init_kwargs={"rope_parameters": YARN})
+    trained.configure_model()  # stands in for the 4-bit model: same adapter layout
+    _randomise_adapters(trained.model)
+    path = export_hf_directory(trained.model, recipe, tmp_path / "merged")
+    assert reloads[-1]["trust_remote_code"] is False and reloads[-1]["dtype"] == torch.bfloat16
+    assert "quantization_config" not in reloads[-1]
+    config = json.loads((path / "config.json").read_text())
+    assert config["rope_parameters"]["rope_type"] == "yarn" and config["dtype"] == "bfloat16"
+    reloaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = _batch(reloaded.config.vocab_size)["input_ids"]
+    trained.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, trained.model(ids).logits, rtol=0.05, atol=0.05)

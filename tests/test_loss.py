@@ -27,8 +27,8 @@ def _grads(loss, *tensors):
     return torch.autograd.grad(loss, [t for t in tensors if t is not None])
 
 
-def _reference(hidden, weight, bias, targets, softcap=None):
-    logits = F.linear(hidden.float(), weight.float(), None if bias is None else bias.float())
+def _reference(hidden, weight, bias, targets, softcap=None, scale=1.0):
+    logits = F.linear(hidden.float(), weight.float(), None if bias is None else bias.float()) * scale
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)
@@ -94,6 +94,21 @@ def test_softcap_forward_and_backward():
     for got, want in zip(_grads(loss, hidden, weight, bias), _grads(expected, hidden, weight, bias)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     plain = cross_entropy(F.linear(hidden, weight, bias), targets, softcap=5.0)
+    torch.testing.assert_close(plain, expected)
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("scale", [4.0, 0.25])
+def test_scaled_logits_forward_and_backward(scale, softcap):
+    hidden, weight, bias, targets = _inputs()
+    hidden = (hidden.detach() * 2).requires_grad_()
+    expected = _reference(hidden, weight, bias, targets, softcap=softcap, scale=scale)
+    assert not torch.allclose(expected, _reference(hidden, weight, bias, targets, softcap=softcap), rtol=1e-2)
+    loss = chunked_cross_entropy(hidden, weight, targets, chunk_size=9, softcap=softcap, bias=bias, scale=scale)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    for got, want in zip(_grads(loss, hidden, weight, bias), _grads(expected, hidden, weight, bias)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    plain = cross_entropy(F.linear(hidden, weight, bias), targets, softcap=softcap, scale=scale)
     torch.testing.assert_close(plain, expected)
 
 
@@ -212,6 +227,7 @@ def test_chunked_peak_memory_is_far_below_full_logits():
         ({"num_items": 2.5}, TypeError, "num_items must be an int"),
         ({"num_items": torch.ones(2)}, ValueError, "num_items must be a scalar tensor"),
         ({"softcap": 0.0}, ValueError, "softcap must be a positive number"),
+        ({"scale": -1.0}, ValueError, "scale must be a positive number"),
     ],
 )
 def test_invalid_arguments_raise_clear_errors(kwargs, error, message):

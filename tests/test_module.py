@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lit_memtrain.datamodules.collate import PaddedCollator
-from lit_memtrain.module import CausalLMModule, shift_targets
+from lit_memtrain.module import CausalLMModule, load_checkpoint, shift_targets
 
 YARN = {"rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 4.0, "original_max_position_embeddings": 512}
 
@@ -264,6 +264,6 @@ def test_resumed_runs_keep_their_token_count_and_losses(tmp_path):
     trainer = Trainer(max_steps=2, logger=False, enable_progress_bar=False, default_root_dir=tmp_path)
     trainer.fit(module, datamodule=SFTDataModule(max_length=32, batch_size=2))
     trainer.save_checkpoint(tmp_path / "run.ckpt")
-    restored = CausalLMModule.load_from_checkpoint(tmp_path / "run.ckpt", weights_only=False)
+    restored = load_checkpoint(tmp_path / "run.ckpt")  # weights_only=True
     assert restored.train_tokens_seen == module.train_tokens_seen > 0
     assert (restored.first_train_loss, restored.last_train_loss) == (module.first_train_loss, module.last_train_loss)

@@ -1,10 +1,11 @@
-"""The module trains on padding-free batches exactly as on each document alone, and refuses attention
-implementations that would let packed documents see each other."""
+"""The module trains on padding-free batches exactly as on each document alone, probes attention
+implementations not proven here, and refuses those that would let packed documents see each other."""
 
 import pytest
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from lit_memtrain.datamodules.collate import PaddedCollator
 from lit_memtrain.datamodules.padding_free import PaddingFreeCollator
@@ -37,17 +38,61 @@ def test_padding_free_loss_and_gradients_equal_per_document_runs(attn, loss_type
         torch.testing.assert_close(packed, single, rtol=1e-4, atol=1e-6)
 
 
-def test_attention_that_ignores_position_restarts_is_refused():
-    def ignores_documents(module, query, key, value, attention_mask, **kwargs):
-        return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
+def _ignores_documents(module, query, key, value, attention_mask, **kwargs):
+    return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
 
-    AttentionInterface.register("ignores_documents", ignores_documents)
+
+def _keeps_documents_apart(module, query, key, value, attention_mask, **kwargs):
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register("ignores_documents", _ignores_documents)
+AttentionInterface.register("keeps_documents_apart", _keeps_documents_apart)
+AttentionMaskInterface.register("keeps_documents_apart", sdpa_mask)
+
+
+def test_attention_that_ignores_position_restarts_is_refused_by_the_setup_probe():
     module = CausalLMModule(preset="tiny-qwen3", attn_implementation="ignores_documents")
     module.configure_model()
-    flat = PaddingFreeCollator(pad_token_id=0)(DOCS)
-    with pytest.raises(ValueError, match="not known to keep packed documents apart"):
-        module.compute_loss(flat)
     module.compute_loss(PaddedCollator(0)(DOCS))  # padded batches carry a mask: fine
+    flat = PaddingFreeCollator(pad_token_id=0)(DOCS)
+    with pytest.raises(ValueError, match="'ignores_documents' lets packed documents attend to each other"):
+        module.compute_loss(flat)
+
+
+def test_a_new_implementation_that_keeps_documents_apart_is_probed_once_and_trains(tmp_path, monkeypatch):
+    from lightning.pytorch import Trainer
+
+    import lit_memtrain.module as module_file
+
+    probed = []
+    probe = module_file.probe_document_isolation
+    monkeypatch.setattr(module_file, "probe_document_isolation", lambda *args: probed.append(args[2]) or probe(*args))
+    module = CausalLMModule(preset="tiny-qwen3", tokenizer="lit-memtrain/embedded", attn_implementation="keeps_documents_apart")
+    trainer = Trainer(max_steps=3, logger=False, enable_progress_bar=False, enable_checkpointing=False, default_root_dir=tmp_path)
+    trainer.fit(module, datamodule=SFTDataModule(max_length=40, packing=True, batch_size=2))
+    assert probed == ["keeps_documents_apart"]
+    assert module.last_train_loss is not None
+
+
+def test_a_packed_fit_with_a_leaking_implementation_stops_before_training(tmp_path):
+    from lightning.pytorch import Trainer
+
+    module = CausalLMModule(preset="tiny-qwen3", tokenizer="lit-memtrain/embedded", attn_implementation="ignores_documents")
+    trainer = Trainer(max_steps=3, logger=False, enable_progress_bar=False, enable_checkpointing=False, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match="lets packed documents attend to each other"):
+        trainer.fit(module, datamodule=SFTDataModule(max_length=40, packing=True, batch_size=2))
+    assert trainer.global_step == 0 and module.first_train_loss is None
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "sdpa_by_document"])
+def test_implementations_proven_by_tests_skip_the_probe(attn, monkeypatch):
+    import lit_memtrain.module as module_file
+
+    monkeypatch.setattr(module_file, "probe_document_isolation", lambda *args: pytest.fail("probed"))
+    module = CausalLMModule(preset="tiny-qwen3", attn_implementation=attn)
+    module.configure_model()
+    module.compute_loss(PaddingFreeCollator(pad_token_id=0)(DOCS))
 
 
 @pytest.mark.parametrize("strategy", ["bfd", "bfd_split", "wrapped"])

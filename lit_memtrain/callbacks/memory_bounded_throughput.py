@@ -7,8 +7,9 @@ thus scores worst instead of vanishing from the search, and the search learns to
 
 Throughput is measured over the whole window, not averaged per step: tokens counted from the batches from
 step ``warmup_steps`` on, divided by the wall time from that step's start to the end of training, with the
-device synchronised at both ends (CUDA runs asynchronously, so per-step timers without a sync misattribute
-time). The window's wall time includes whatever else the trainer does meanwhile (validation, checkpoint
+device synchronised at both ends only (CUDA runs asynchronously, so per-step timers without a sync
+misattribute time). Tokens are read from the batch itself (``num_tokens``, else the ``attention_mask``, else
+``input_ids``), so the callback works on any LightningModule with dict batches, and summed on the device. The window's wall time includes whatever else the trainer does meanwhile (validation, checkpoint
 saving), which a sweep's base config should leave out.
 
 Peak memory is the largest peak seen at the end of any training batch: on CUDA the caching allocator's
@@ -28,7 +29,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lit_memtrain.module import CausalLMModule
+from lit_memtrain.throughput import count_tokens
 
 GIB = 2**30
 
@@ -71,7 +72,7 @@ class MemoryBoundedThroughput(Callback):
         self.max_memory_gib = max_memory_gib
         self.warmup_steps = warmup_steps
         self._started_at: float | None = None
-        self._tokens = 0
+        self._tokens: int | torch.Tensor = 0
         self._peak_bytes = 0
 
     @override
@@ -85,7 +86,7 @@ class MemoryBoundedThroughput(Callback):
         if self._started_at is None:
             _synchronize(pl_module.device)
             self._started_at = time.perf_counter()
-        self._tokens += CausalLMModule.count_tokens(batch)
+        self._tokens = self._tokens + count_tokens(batch)  # a device tensor when counted there: no sync
 
     @override
     def on_train_batch_end(
@@ -98,7 +99,7 @@ class MemoryBoundedThroughput(Callback):
         _synchronize(pl_module.device)
         elapsed = time.perf_counter() - self._started_at if self._started_at is not None else 0.0
         device = pl_module.device
-        tokens = int(trainer.strategy.reduce(torch.tensor(self._tokens, device=device), reduce_op="sum"))
+        tokens = int(trainer.strategy.reduce(torch.as_tensor(self._tokens, device=device), reduce_op="sum"))
         peak_gib = float(trainer.strategy.all_gather(torch.tensor(self._peak_bytes, device=device)).max()) / GIB
         if not trainer.is_global_zero:
             return

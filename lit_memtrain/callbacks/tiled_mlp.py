@@ -5,7 +5,8 @@ LightningModule holding a Hugging Face causal LM. The MLPs are found when the fi
 ``configure_model``) and restored when it ends. Composes with :class:`GradientCheckpointing` and the
 chunked loss in any order.
 
-Why and how tiles save memory, and the tile count rule: :mod:`lit_memtrain.tiled_mlp`.
+Why and how tiles save memory, the tile count rule, and mixture-of-experts layers (their experts are tiled,
+the router runs whole): :mod:`lit_memtrain.tiled_mlp`.
 """
 
 from __future__ import annotations

@@ -2,12 +2,14 @@ import csv
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
+from transformers import AutoModelForCausalLM
 
 from lit_memtrain.callbacks.memory_bounded_throughput import MemoryBoundedThroughput
 from lit_memtrain.module import CausalLMModule
+from lit_memtrain.presets import build_config
 
 
 def _batches(lengths: list[int]) -> list[dict[str, torch.Tensor]]:
@@ -89,3 +91,41 @@ def test_on_cuda_the_peak_is_the_allocators_reserved_peak(tmp_path):
         (row,) = [row for row in csv.DictReader(file) if row.get("sweep/objective")]
     assert float(row["sweep/tokens"]) == 8 + 12
     assert 0 < float(row["sweep/peak_memory_gib"]) * 2**30 <= torch.cuda.max_memory_reserved()
+
+
+class _UsersOwnModule(LightningModule):
+    """A plain LightningModule holding a Hugging Face causal LM, as a user would write it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = AutoModelForCausalLM.from_config(build_config("tiny-qwen3"))
+
+    def training_step(self, batch, batch_idx):
+        return self.model(**batch, use_cache=False).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_works_on_a_users_own_module_and_never_imports_ours(tmp_path):
+    import ast
+    from pathlib import Path
+
+    import lit_memtrain.callbacks.memory_bounded_throughput as callback_module
+
+    imported = {
+        node.module for node in ast.walk(ast.parse(Path(callback_module.__file__).read_text()))
+        if isinstance(node, ast.ImportFrom)
+    }
+    assert "lit_memtrain.module" not in imported
+    torch.manual_seed(0)
+    trainer = Trainer(
+        accelerator="cpu", max_steps=4, log_every_n_steps=1, logger=CSVLogger(tmp_path, name="", version=""),
+        callbacks=[MemoryBoundedThroughput(max_memory_gib=1024, warmup_steps=1)],
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    )
+    trainer.fit(_UsersOwnModule(), DataLoader(_batches([3, 5, 7, 9]), batch_size=None))
+    with (tmp_path / "metrics.csv").open() as file:
+        rows = [row for row in csv.DictReader(file) if row.get("sweep/objective")]
+    assert float(rows[-1]["sweep/tokens"]) == 5 + 7 + 9
+    assert float(rows[-1]["sweep/objective"]) > 0
