@@ -46,7 +46,7 @@ def test_loads_text_files_as_language_modelling(tmp_path):
 def test_numbers_in_a_text_column_are_an_error(tmp_path):
     path = tmp_path / "numbers.csv"
     path.write_text("prompt,completion\nWhat is 1 + 1?,2\n")
-    with pytest.raises(ValueError, match="Expected text, got a int value 2"):
+    with pytest.raises(ValueError, match=r"numbers.csv line 2: 'completion': expected text, got a int value 2"):
         _setup(dataset=str(path))
 
 
