@@ -29,7 +29,7 @@ from lit_memtrain.datamodules.collate import PaddedCollator
 from lit_memtrain.datamodules.embedded import EMBEDDED
 from lit_memtrain.datamodules.padding_free import PaddingFreeCollator
 from lit_memtrain.datamodules.resumable import ResumableDataLoader, ResumableSampler
-from lit_memtrain.datamodules.sources import RawData, RowLocator, load_raw_dataset
+from lit_memtrain.datamodules.sources import RawData, RowLocator, load_raw_dataset, raise_for_invalid_json
 from lit_memtrain.datamodules.streaming import PackedStream, TokenCounts, TokenizedWindow
 from lit_memtrain.datamodules.tokenize import DatasetFormat, detect_format, tokenize_example
 from lit_memtrain.tokenizer import load_tokenizer
@@ -375,7 +375,11 @@ class SFTDataModule(LightningDataModule):
         ``whole`` yields the tokenized examples uncut and unpacked (for the length profiler)."""
         from datasets.distributed import split_dataset_by_node
 
-        first = next(iter(data.take(1)), None)
+        try:
+            first = next(iter(data.take(1)), None)
+        except Exception as error:  # noqa: BLE001 - re-raised, with the bad JSON line when there is one
+            raise_for_invalid_json(raw.files.get(split, ()), error)
+            raise
         if first is None:
             raise ValueError(f"The {name} stream{raw.describe(split)} is empty.")
         dataset_format = self._format_of(list(first), raw, split, first)
@@ -405,6 +409,7 @@ class SFTDataModule(LightningDataModule):
             seed=self.seed,
             repeat=train,
             on_pass_end=log,
+            files=locator.files,
         )
 
     def _prepare_stream(self) -> tuple[PackedStream, PackedStream | None]:

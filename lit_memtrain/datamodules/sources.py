@@ -191,7 +191,7 @@ def load_raw_dataset(
                     loaded = datasets.IterableDatasetDict({k: v.to_iterable_dataset() for k, v in loaded.items()})
         else:
             loaded = datasets.load_dataset(dataset, dataset_config, data_files=data_files, streaming=streaming)
-    except datasets.exceptions.DatasetGenerationError as error:
+    except Exception as error:  # noqa: BLE001 - re-raised, with the bad JSON line when there is one
         raise_for_invalid_json(tuple(f for split_files in files.values() for f in split_files), error)
         raise
     return RawData(loaded, files)

@@ -34,6 +34,7 @@ import pyarrow.compute as pc
 import torch
 
 from lit_memtrain.datamodules.packing import _check_max_length, _check_strategy, _list_lengths, pack_table
+from lit_memtrain.datamodules.sources import raise_for_invalid_json
 
 if TYPE_CHECKING:
     from datasets import IterableDataset
@@ -96,6 +97,8 @@ class PackedStream(torch.utils.data.IterableDataset):
         seed: seed of that shuffle.
         repeat: start again at the end of the stream, for ever (training for ``max_steps``).
         on_pass_end: called with the :class:`TokenCounts` of each finished pass (for logging).
+        files: the local files the source reads: a JSON line that does not parse is then reported with
+            its file, line and column.
 
     Example:
         >>> stream = PackedStream(tokenized_stream, max_length=2048, strategy="bfd_split", buffer_size=1000)
@@ -113,6 +116,7 @@ class PackedStream(torch.utils.data.IterableDataset):
         seed: int = 0,
         repeat: bool = False,
         on_pass_end: Callable[[TokenCounts], None] | None = None,
+        files: tuple[str, ...] = (),
     ) -> None:
         _check_max_length(max_length)
         if strategy is not None:
@@ -128,6 +132,7 @@ class PackedStream(torch.utils.data.IterableDataset):
         self.seed = seed
         self.repeat = repeat
         self.on_pass_end = on_pass_end
+        self.files = files
         self.counts = TokenCounts()
         self._position = _start_position(0)
         self._resume: dict[str, Any] | None = None
@@ -178,7 +183,11 @@ class PackedStream(torch.utils.data.IterableDataset):
             position["source"], position["carry"], position["rows_done"], position["examples"]
         )
         while True:
-            raw = next(windows, None)
+            try:
+                raw = next(windows, None)
+            except Exception as error:  # noqa: BLE001 - re-raised, with the bad JSON line when there is one
+                raise_for_invalid_json(self.files, error)
+                raise
             if raw is None and carry is None:
                 return
             after = source.state_dict()
@@ -198,7 +207,7 @@ class PackedStream(torch.utils.data.IterableDataset):
                     "rows_done": done + 1,
                 }
                 index = int(order[done])
-                yield {name: rows.column(name)[index].values.to_numpy(zero_copy_only=False) for name in rows.column_names}
+                yield {name: rows.column(name)[index].values.to_numpy(zero_copy_only=False).copy() for name in rows.column_names}
             window_start, examples, carry, skip = after, examples + counts.examples, carry_out, 0
             window_index += 1
 
