@@ -292,16 +292,21 @@ def _gather_rows(column: pa.ChunkedArray, plan: PackingPlan) -> pa.ChunkedArray:
             for c in chunks
         ]
         order = plan.source_order
-        copied = copy_segments(
+        size = int(token_offsets[-1])
+        # Arrow's memory pool, like any Arrow column: it reuses freed pages, where a fresh numpy array of
+        # this size would be mapped anew and zeroed page by page by the kernel (most of the copy's time).
+        buffer = pa.allocate_buffer(size * width)
+        copy_segments(
             sources,
             segment_chunks[order],
             segment_starts[order],
             plan.segment_lengths[order],
             token_offsets[:-1][order],
-            int(token_offsets[-1]),
-            _copy_workers(int(token_offsets[-1])),
+            size,
+            _copy_workers(size),
+            out=np.frombuffer(buffer, f"u{width}"),
         )
-        flat = pa.Array.from_buffers(value_type, len(copied), [None, pa.py_buffer(copied)])
+        flat = pa.Array.from_buffers(value_type, size, [None, buffer])
     else:
         first_offsets = np.array([c.offsets[0].as_py() for c in chunks], dtype=np.int64)
         used = [c.values.slice(first, c.offsets[-1].as_py() - first) for c, first in zip(chunks, first_offsets)]
