@@ -29,9 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from matplotlib.figure import Figure
-
-from lit_memtrain.datamodules.packing import plan_packing
 
 PERCENTILES: tuple[int, ...] = (50, 90, 95, 99)
 
@@ -184,6 +181,8 @@ def write_histogram(
         if isinstance(report_or_lengths, LengthProfile)
         else profile_lengths(report_or_lengths)
     )
+    from matplotlib.figure import Figure  # here: GPU machines may lack matplotlib, and only plots need it
+
     path = Path(path)
     figure = Figure(figsize=(8, 4.5), layout="constrained")
     axes = figure.subplots()
@@ -214,6 +213,8 @@ def _profile_candidate(lengths: np.ndarray, max_length: int, batch_size: int) ->
     batch_starts = np.arange(0, len(kept), batch_size)
     batch_longest = np.maximum.reduceat(kept, batch_starts)
     batch_sizes = np.diff(np.append(batch_starts, len(kept)))
+    from lit_memtrain.datamodules.packing import plan_packing  # here: packing needs pyarrow, GPU machines may lack it
+
     plan = plan_packing(lengths, max_length, "bfd")
     return CandidateProfile(
         max_length=max_length,

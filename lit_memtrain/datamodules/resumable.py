@@ -27,8 +27,6 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lit_memtrain.datamodules.streaming import PackedStream
-
 _POSITIONS_KEPT = 64
 
 
@@ -69,8 +67,10 @@ class ResumableDataLoader(DataLoader):
 
     def __init__(self, *args: Any, consumed_batches: Callable[[], int] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        from lit_memtrain.datamodules.streaming import PackedStream  # pyarrow: imported when a loader is made
+
         self.consumed_batches = consumed_batches
-        streaming = isinstance(self.dataset, PackedStream)
+        self._streaming = streaming = isinstance(self.dataset, PackedStream)
         if not streaming and not isinstance(self.sampler, ResumableSampler):
             raise ValueError("ResumableDataLoader needs a ResumableSampler for map-style data.")
         if streaming and self.num_workers:
@@ -80,9 +80,6 @@ class ResumableDataLoader(DataLoader):
         self._yielded = 0
         self._positions: dict[int, Any] = {}
 
-    @property
-    def _streaming(self) -> bool:
-        return isinstance(self.dataset, PackedStream)
 
     def state_dict(self) -> dict[str, Any]:
         """The position after the batches trained on so far: ``{"epoch", "batches"}`` (and ``"stream"``)."""

@@ -30,13 +30,13 @@ from lit_memtrain.datamodules.embedded import EMBEDDED
 from lit_memtrain.datamodules.padding_free import PaddingFreeCollator
 from lit_memtrain.datamodules.resumable import ResumableDataLoader, ResumableSampler
 from lit_memtrain.datamodules.sources import RawData, RowLocator, load_raw_dataset, raise_for_invalid_json
-from lit_memtrain.datamodules.streaming import PackedStream, TokenCounts, TokenizedWindow
-from lit_memtrain.datamodules.tokenize import DatasetFormat, detect_format, tokenize_example
+from lit_memtrain.datamodules.tokenize import DatasetFormat, TokenCounts, detect_format, tokenize_example
 from lit_memtrain.tokenizer import load_tokenizer
 
-if TYPE_CHECKING:
-    import pyarrow as pa
+if TYPE_CHECKING:  # pyarrow and datasets are imported where data is read: the module imports without them
     from datasets import Dataset
+
+    from lit_memtrain.datamodules.streaming import PackedStream, TokenizedWindow
 
 __all__ = ["SFTDataModule", "load_raw_dataset"]
 
@@ -70,6 +70,8 @@ class WindowTokenizer:
 
     def __call__(self, rows: dict[str, list], first_index: int) -> TokenizedWindow:
         import pyarrow as pa
+
+        from lit_memtrain.datamodules.streaming import TokenizedWindow
 
         columns = list(rows)
         input_ids, labels, counts = [], [], TokenCounts()
@@ -375,6 +377,8 @@ class SFTDataModule(LightningDataModule):
         ``whole`` yields the tokenized examples uncut and unpacked (for the length profiler)."""
         from datasets.distributed import split_dataset_by_node
 
+        from lit_memtrain.datamodules.streaming import PackedStream
+
         try:
             first = next(iter(data.take(1)), None)
         except Exception as error:  # noqa: BLE001 - re-raised, with the bad JSON line when there is one
@@ -471,7 +475,7 @@ class SFTDataModule(LightningDataModule):
 
     def train_dataloader(self) -> ResumableDataLoader:
         consumed = self._consumed_batches if self.trainer is not None else None
-        if isinstance(self.train_dataset, PackedStream):
+        if self.streaming:
             loader = ResumableDataLoader(
                 self.train_dataset, batch_size=self.batch_size, collate_fn=self.collator(), consumed_batches=consumed
             )
@@ -496,7 +500,7 @@ class SFTDataModule(LightningDataModule):
     def val_dataloader(self) -> DataLoader | list:
         if self.val_dataset is None:
             return []
-        if isinstance(self.val_dataset, PackedStream):
+        if self.streaming:
             return DataLoader(self.val_dataset, batch_size=self.val_batch_size, collate_fn=self.collator())
         return DataLoader(
             self._columns(self.val_dataset),

@@ -35,39 +35,10 @@ import torch
 
 from lit_memtrain.datamodules.packing import _check_max_length, _check_strategy, _list_lengths, pack_table
 from lit_memtrain.datamodules.sources import raise_for_invalid_json
+from lit_memtrain.datamodules.tokenize import TokenCounts
 
 if TYPE_CHECKING:
     from datasets import IterableDataset
-
-
-@dataclass
-class TokenCounts:
-    """What was read and what was kept, in examples and tokens (a split, or one pass over a stream).
-
-    ``tokens = kept_tokens + truncated_tokens + dropped_tokens``: truncated tokens are those past
-    ``max_length`` (cut by ``bfd``, or by truncation without packing); dropped ones belong to examples
-    dropped whole (no trainable token, or empty).
-    """
-
-    examples: int = 0
-    tokens: int = 0
-    kept_tokens: int = 0
-    truncated_tokens: int = 0
-    dropped_examples: int = 0
-    dropped_tokens: int = 0
-
-    def add(self, other: TokenCounts) -> None:
-        for name in self.__dataclass_fields__:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-
-    def describe(self, max_length: int) -> str:
-        """One line for the log: examples and tokens read, kept, truncated and dropped."""
-        share = f" ({100 * self.truncated_tokens / self.tokens:.1f}%)" if self.tokens else ""
-        return (
-            f"{self.examples:,} examples, {self.tokens:,} tokens: {self.kept_tokens:,} kept, "
-            f"{self.truncated_tokens:,}{share} truncated past max_length={max_length}, "
-            f"{self.dropped_tokens:,} in {self.dropped_examples:,} dropped examples"
-        )
 
 
 @dataclass
