@@ -61,7 +61,8 @@ class PackedStream(torch.utils.data.IterableDataset):
             ``tokenize`` given.
         max_length: tokens per row.
         strategy: ``"bfd"``, ``"bfd_split"``, ``"wrapped"`` (as :func:`pack_dataset`) or None.
-        buffer_size: examples per window; memory is about ``buffer_size`` x mean tokens x 8 bytes.
+        buffer_size: examples per window; memory is about ``buffer_size`` x mean tokens x 16 bytes
+            (the window and its packed rows, int32 ids and labels), plus the raw examples.
         tokenize: turns a window of raw rows (a dict of columns) and the index of its first example
             into a :class:`TokenizedWindow`; None reads the source's list columns as they are.
         shuffle: shuffle the rows within each window.
