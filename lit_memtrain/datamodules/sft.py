@@ -389,12 +389,11 @@ class SFTDataModule(LightningDataModule):
         dataset_format = self._format_of(list(first), raw, split, first)
         replicas, rank = self._data_parallel()
         locator = raw.locator(split)
-        if replicas > 1:
-            shards = data.num_shards
-            if shards % replicas == 0 and shards > 1:
-                locator = RowLocator(locator.files[rank::replicas], split)
+        if replicas > 1:  # as datasets splits: whole shards when they divide evenly, else every replicas-th row
+            if data.num_shards % replicas == 0 and data.num_shards > 1:
+                locator = RowLocator((), f"the shards of rank {rank} of the {split} split")
             else:
-                locator = RowLocator(locator.files, split, step=replicas, offset=rank)
+                locator = RowLocator(locator.files, locator.split, step=replicas, offset=rank)
             data = split_dataset_by_node(data, rank=rank, world_size=replicas)
         truncate_at = None if whole else self._truncate_at
         tokenize = WindowTokenizer(**self._tokenize_kwargs(dataset_format, truncate_at), locator=locator)
@@ -413,7 +412,7 @@ class SFTDataModule(LightningDataModule):
             seed=self.seed,
             repeat=train,
             on_pass_end=log,
-            files=locator.files,
+            files=raw.files.get(split, ()),
         )
 
     def _prepare_stream(self) -> tuple[PackedStream, PackedStream | None]:

@@ -24,15 +24,16 @@ FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv
 
 @dataclass(frozen=True)
 class RowLocator:
-    """Names where row ``index`` of a split comes from: ``data.jsonl line 12`` for local files, else the split.
+    """Names where row ``index`` of a split comes from: ``data.jsonl line 12`` for local files, else
+    ``row 12 of the train split``.
 
     ``files`` are the split's local data files in load order (empty when the data did not come from local
-    files). ``step`` and ``offset`` describe a stream split across ranks by taking every ``step``-th row
-    from ``offset``: local row ``i`` is row ``offset + i * step`` of the files.
+    files or cannot be told apart). ``step`` and ``offset`` describe a stream split across ranks by taking
+    every ``step``-th row from ``offset``: local row ``i`` is row ``offset + i * step`` of the files.
     """
 
     files: tuple[str, ...] = ()
-    split: str = "train"
+    split: str = "the train split"
     step: int = 1
     offset: int = 0
 
@@ -43,7 +44,7 @@ class RowLocator:
             if position is not None:
                 return f"{path} {position}"
             row -= count
-        return f"row {self.offset + index * self.step} of the {self.split} split"
+        return f"row {self.offset + index * self.step + 1} of {self.split}"
 
 
 def _position_in_file(path: str, row: int) -> tuple[str | None, int]:
@@ -123,7 +124,7 @@ class RawData:
     files: dict[str, tuple[str, ...]]
 
     def locator(self, split: str) -> RowLocator:
-        return RowLocator(self.files.get(split, ()), split)
+        return RowLocator(self.files.get(split, ()), f"the {split} split")
 
     def describe(self, split: str) -> str:
         files = self.files.get(split, ())
