@@ -164,3 +164,18 @@ def test_the_loader_state_is_the_position_after_the_batches_trained_on():
     assert [batch for batch in loader] != epoch  # each epoch has its own order
     with pytest.raises(ValueError, match="saved for a stream"):
         loader.load_state_dict({"epoch": 0, "batches": 1, "stream": None})
+
+
+def test_worker_processes_start_at_the_resumed_batch():
+    data = datasets.Dataset.from_dict({"input_ids": [[i] for i in range(10)]})
+
+    def loader():
+        sampler = ResumableSampler(data, seed=1)
+        return ResumableDataLoader(data, batch_size=3, sampler=sampler, collate_fn=lambda rows: rows,
+                                   num_workers=1, persistent_workers=True)
+
+    epoch = list(loader())
+    resumed = loader()
+    resumed.load_state_dict({"epoch": 0, "batches": 2})
+    assert list(resumed) == epoch[2:]
+    assert list(resumed) == epoch  # the skip applies once: the next iteration (same workers) starts at the top
