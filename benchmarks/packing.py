@@ -1,42 +1,71 @@
-"""Benchmark: lit-memtrain's ``pack_dataset`` against ``trl.pack_dataset``, side by side.
+"""Benchmark: lit-memtrain's ``pack_dataset`` against ``trl.pack_dataset``, every strategy, side by side.
 
-Same input for both: a ``datasets.Dataset`` with one ``input_ids`` list column of random token ids,
-lengths lognormal (median 300, sigma 1, clipped to [1, 16384]). TRL runs with its defaults
-(strategy ``"bfd"``, the default ``map`` batch of 1000 rows). One run each per ``max_length``.
-Fill = tokens / (rows x max_length). Targets: >= 20x faster than TRL, fill >= 99.9% at 2048.
-Before timing, three times the dataset's token bytes are touched once: on a VM that backs guest
-memory lazily, the first touch of a page costs ~10x a normal page fault, and that one-off cost
-(paid by whichever packer runs first) would otherwise swamp a 2-second run.
+Two length distributions, both as ``datasets.Dataset`` with one ``input_ids`` list column of random ids:
+
+- ``lognormal``: 1,000,000 examples, median 300 tokens, sigma 1, clipped to [1, 16384]; into 2048 and 8192.
+- ``bimodal``: 300,000 examples, 70% chat turns (lognormal around 120 tokens, sigma 0.5) and 30% documents
+  (lognormal around 1,500 tokens, sigma 0.8, clipped at 65,536: 3% of the examples are longer than a
+  row, some twelve times longer); into 4096.
+
+TRL runs with its defaults (``map`` batches of 1,000 rows), best of ``--trl-runs``; ours best of ``--runs``
+(warm) and, in a fresh process, the first call (cold): once with an empty numba cache, so compiling the
+packer is included, and once with the cache that a first run leaves. Fill = tokens / (rows x max_length).
+Targets: every strategy >= 20x faster than TRL at a fill >= TRL's. Last, the same data streamed
+(``pack_dataset`` of an ``IterableDataset``, ``buffer_size`` 1,000): its fill against the global plan's
+(target: within 0.5 points). Before timing, three times the
+dataset's token bytes are touched once: on a VM that backs guest memory lazily, the first touch of a page
+costs ~10x a normal page fault, and that one-off cost (paid by whichever packer runs first) would
+otherwise swamp a sub-second run.
 
 Run (needs trl: ``pip install -e .[bench]``)::
 
-    python benchmarks/packing.py                    # 1,000,000 examples, max_length 2048 and 8192
-    python benchmarks/packing.py --examples 100000  # smaller
+    python benchmarks/packing.py                                  # everything (~10 minutes on 2 cores)
+    python benchmarks/packing.py --examples 200000 --skip-cold    # quicker
+    python benchmarks/packing.py --stream-only                    # the streamed fill alone
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 
 import datasets
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import trl
 
-from lit_memtrain.datamodules.packing import pack_dataset, plan_packing
+from lit_memtrain.datamodules.packing import STRATEGIES, pack_dataset
+
+DISTRIBUTIONS = {"lognormal": (2048, 8192), "bimodal": (4096,)}
 
 
-def build_dataset(num_examples: int, seed: int) -> datasets.Dataset:
-    """A dataset built straight from an Arrow list array (no Python list per example)."""
+def lengths_of(distribution: str, num_examples: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
-    lengths = np.clip(np.rint(rng.lognormal(np.log(300), 1.0, num_examples)), 1, 16384)
+    if distribution == "lognormal":
+        return np.clip(np.rint(rng.lognormal(np.log(300), 1.0, num_examples)), 1, 16384).astype(np.int64)
+    chat = rng.random(num_examples) < 0.7
+    lengths = np.where(chat, rng.lognormal(np.log(120), 0.5, num_examples), rng.lognormal(np.log(1500), 0.8, num_examples))
+    return np.clip(np.rint(lengths), 1, 65536).astype(np.int64)
+
+
+def build_dataset(distribution: str, num_examples: int, seed: int) -> datasets.Dataset:
+    """A dataset built straight from an Arrow list array (no Python list per example)."""
+    lengths = lengths_of(distribution, num_examples, seed)
     offsets = np.zeros(num_examples + 1, dtype=np.int32)
-    np.cumsum(lengths.astype(np.int64), out=offsets[1:])
-    values = rng.integers(0, 50_000, size=int(offsets[-1]), dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.random.default_rng(seed + 1).integers(0, 50_000, size=int(offsets[-1]), dtype=np.int32)
     column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
-    return datasets.Dataset(pa.table({"input_ids": column}), fingerprint=f"bench-{num_examples}-{seed}")
+    return datasets.Dataset(pa.table({"input_ids": column}), fingerprint=f"bench-{distribution}-{num_examples}-{seed}")
+
+
+def touch_memory(dataset: datasets.Dataset) -> None:
+    tokens = int(pc.sum(pc.list_value_length(dataset.data.column("input_ids"))).as_py())
+    np.ones(3 * 4 * tokens // 8, dtype=np.int64)
 
 
 def fill(packed: datasets.Dataset, max_length: int) -> tuple[float, int, int]:
@@ -45,74 +74,118 @@ def fill(packed: datasets.Dataset, max_length: int) -> tuple[float, int, int]:
     return tokens / (len(packed) * max_length), len(packed), tokens
 
 
+def timed(pack, runs: int) -> tuple[list[float], datasets.Dataset]:
+    seconds, result = [], None
+    for _ in range(runs):
+        del result
+        start = time.perf_counter()
+        result = pack()
+        seconds.append(time.perf_counter() - start)
+    return seconds, result
+
+
+def cold(distribution: str, num_examples: int, seed: int, strategy: str, max_length: int, cache_dir: str | None) -> float:
+    """Seconds of the first ``pack_dataset`` call in a fresh process (numba's cache in ``cache_dir`` if given)."""
+    env = dict(os.environ)
+    if cache_dir is not None:
+        env["NUMBA_CACHE_DIR"] = cache_dir
+    args = [sys.executable, __file__, "--cold", distribution, strategy, str(max_length), "--seed", str(seed)]
+    args += ["--examples" if distribution == "lognormal" else "--bimodal-examples", str(num_examples)]
+    out = subprocess.run(args, env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])["seconds"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--examples", type=int, default=1_000_000)
-    parser.add_argument("--max-lengths", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--examples", type=int, default=1_000_000, help="lognormal examples")
+    parser.add_argument("--bimodal-examples", type=int, default=300_000)
+    parser.add_argument("--runs", type=int, default=3, help="warm runs of ours (best is reported)")
+    parser.add_argument("--trl-runs", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-cold", action="store_true")
+    parser.add_argument("--stream-only", action="store_true", help="only the streamed fill against the global plan")
+    parser.add_argument("--buffer-size", type=int, default=1000, help="examples per streamed window")
+    parser.add_argument("--cold", nargs=3, metavar=("DISTRIBUTION", "STRATEGY", "MAX_LENGTH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     datasets.disable_progress_bars()
+    sizes = {"lognormal": args.examples, "bimodal": args.bimodal_examples}
 
-    start = time.perf_counter()
-    dataset = build_dataset(args.examples, args.seed)
-    lengths = pc.list_value_length(dataset.data.column("input_ids")).to_numpy()
-    print(
-        f"{len(dataset):,} examples, {int(lengths.sum()):,} tokens "
-        f"(built in {time.perf_counter() - start:.1f} s); trl {trl.__version__}"
-    )
+    if args.cold:  # the child process of cold(): time the very first call
+        distribution, strategy, max_length = args.cold[0], args.cold[1], int(args.cold[2])
+        dataset = build_dataset(distribution, sizes[distribution], args.seed)
+        touch_memory(dataset)
+        start = time.perf_counter()
+        pack_dataset(dataset, max_length, strategy)
+        print(json.dumps({"seconds": time.perf_counter() - start}))
+        return
 
-    start = time.perf_counter()
-    warm_bytes = 3 * 4 * int(lengths.sum())
-    np.ones(warm_bytes // 8, dtype=np.int64)
-    print(
-        f"touched {warm_bytes / 2**30:.1f} GiB of memory first in {time.perf_counter() - start:.1f} s "
-        "(a VM may back memory lazily: both packers write their output into fresh memory)"
-    )
-    warm_up = build_dataset(100, args.seed)
-    pack_dataset(warm_up, 256, "bfd")
-    trl.pack_dataset(warm_up, 256, "bfd")
+    if args.stream_only:
+        streamed_fill(sizes, args.seed, args.buffer_size)
+        return
 
-    header = (
-        "max_length", "plan s", "ours s", "trl s", "trl/ours", "fill ours", "fill trl",
-        "rows ours", "rows trl",
-    )
+    import trl
+
+    print(f"trl {trl.__version__}, datasets {datasets.__version__}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
+    header = ("data", "max_length", "strategy", "cold s (compile)", "cold s (cached)", "warm s", "TRL s",
+              "TRL/warm", "TRL/cold (compile)", "TRL/cold (cached)", "fill ours", "fill TRL", "rows ours", "rows TRL")
     rows = [header]
-    for max_length in args.max_lengths:
-        start = time.perf_counter()
-        plan_packing(lengths, max_length, "bfd")
-        plan_seconds = time.perf_counter() - start
-
-        start = time.perf_counter()
-        ours = pack_dataset(dataset, max_length, "bfd")
-        ours_seconds = time.perf_counter() - start
-
-        start = time.perf_counter()
-        theirs = trl.pack_dataset(dataset, max_length, "bfd")
-        trl_seconds = time.perf_counter() - start
-
-        ours_fill, ours_rows, ours_tokens = fill(ours, max_length)
-        trl_fill, trl_rows, trl_tokens = fill(theirs, max_length)
-        if ours_tokens != trl_tokens:
-            raise RuntimeError(f"token counts differ: ours {ours_tokens}, trl {trl_tokens}")
-        rows.append(
-            (
-                str(max_length),
-                f"{plan_seconds:.2f}",
-                f"{ours_seconds:.2f}",
-                f"{trl_seconds:.2f}",
-                f"{trl_seconds / ours_seconds:.1f}x",
-                f"{100 * ours_fill:.3f}%",
-                f"{100 * trl_fill:.3f}%",
-                f"{ours_rows:,}",
-                f"{trl_rows:,}",
-            )
-        )
-        del ours, theirs
-
+    for distribution, max_lengths in DISTRIBUTIONS.items():
+        dataset = build_dataset(distribution, sizes[distribution], args.seed)
+        lengths = pc.list_value_length(dataset.data.column("input_ids")).to_numpy()
+        print(f"{distribution}: {len(dataset):,} examples, {int(lengths.sum()):,} tokens, "
+              f"{100 * np.mean(lengths > min(max_lengths)):.1f}% longer than {min(max_lengths)}")
+        touch_memory(dataset)
+        warm_up = dataset.select(range(100))
+        for strategy in STRATEGIES:
+            pack_dataset(warm_up, 256, strategy)
+            trl.pack_dataset(warm_up, 256, strategy)
+        for max_length in max_lengths:
+            for strategy in STRATEGIES:
+                compile_s = cached_s = float("nan")
+                if not args.skip_cold and max_length == max_lengths[0]:
+                    with tempfile.TemporaryDirectory() as empty_cache:
+                        compile_s = cold(distribution, sizes[distribution], args.seed, strategy, max_length, empty_cache)
+                    cached_s = cold(distribution, sizes[distribution], args.seed, strategy, max_length, None)
+                ours_s, ours = timed(lambda: pack_dataset(dataset, max_length, strategy), args.runs)
+                ours_fill = fill(ours, max_length)
+                del ours
+                trl_s, theirs = timed(lambda: trl.pack_dataset(dataset, max_length, strategy), args.trl_runs)
+                trl_fill = fill(theirs, max_length)
+                del theirs
+                if ours_fill[2] != trl_fill[2]:
+                    raise RuntimeError(f"token counts differ: ours {ours_fill[2]}, trl {trl_fill[2]}")
+                rows.append((
+                    distribution, str(max_length), strategy, f"{compile_s:.2f}", f"{cached_s:.2f}", f"{min(ours_s):.3f}",
+                    f"{min(trl_s):.2f}", f"{min(trl_s) / min(ours_s):.1f}x",
+                    f"{trl_s[0] / compile_s:.1f}x" if compile_s == compile_s else "-",
+                    f"{trl_s[0] / cached_s:.1f}x" if cached_s == cached_s else "-",
+                    f"{100 * ours_fill[0]:.3f}%", f"{100 * trl_fill[0]:.3f}%", f"{ours_fill[1]:,}", f"{trl_fill[1]:,}",
+                ))
+                print("  ".join(rows[-1]), flush=True)
+        del dataset
     widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
+    print()
     for row in rows:
         print("  ".join(cell.rjust(width) for cell, width in zip(row, widths)))
+    print(f"load average at the end: {os.getloadavg()[0]:.1f}")
+    streamed_fill(sizes, args.seed, args.buffer_size)
 
+
+def streamed_fill(sizes: dict[str, int], seed: int, buffer_size: int) -> None:
+    """Fill of the same data packed as a stream, a window of ``buffer_size`` examples at a time, with ``bfd``."""
+    print(f"\nstreamed, buffer_size {buffer_size:,}, bfd:")
+    for distribution, max_lengths in DISTRIBUTIONS.items():
+        dataset = build_dataset(distribution, sizes[distribution], seed)
+        for max_length in max_lengths:
+            whole = fill(pack_dataset(dataset, max_length, "bfd"), max_length)
+            start = time.perf_counter()
+            tokens = rows = 0
+            for row in pack_dataset(dataset.to_iterable_dataset(), max_length, "bfd", buffer_size=buffer_size):
+                tokens, rows = tokens + len(row["input_ids"]), rows + 1
+            seconds = time.perf_counter() - start
+            streamed = tokens / (rows * max_length)
+            print(f"{distribution} {max_length}: streamed fill {100 * streamed:.3f}% ({rows:,} rows, {seconds:.1f} s), "
+                  f"global {100 * whole[0]:.3f}% ({whole[1]:,} rows): {100 * (whole[0] - streamed):.3f} points apart")
 
 
 if __name__ == "__main__":

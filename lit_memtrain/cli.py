@@ -97,9 +97,6 @@ def _export(argv: list[str]) -> None:
     print(f"exported {args.checkpoint} to {module.export(args.output)}")
 
 
-_UNBOUNDED_LENGTH = 2**31 - 1
-
-
 def _lengths(argv: list[str]) -> None:
     from jsonargparse import ActionConfigFile, ArgumentParser
 
@@ -118,11 +115,10 @@ def _lengths(argv: list[str]) -> None:
     parser.add_argument("--candidates", type=list[int] | None, default=None, help="max_length values to compare")
     parser.add_argument("--max_truncated_token_share", type=float, default=0.01)
     parser.add_argument("--histogram", type=str, default="lengths.png", help="PNG to write")
+    parser.add_argument("--sample", type=int, default=10_000, help="examples profiled from a stream (--data.streaming)")
     args = parser.parse_args(argv)
     data = parser.instantiate_classes(args).data
-    data.max_length, data.packing = _UNBOUNDED_LENGTH, False  # profile whole examples
-    data.setup("fit")
-    lengths = [len(ids) for ids in data.train_dataset["input_ids"]]
+    lengths = data.token_lengths(args.sample if data.streaming else None)  # whole examples, never truncated
     report = profile_lengths(lengths, args.candidates, data.batch_size, args.max_truncated_token_share)
     print(report.to_table())
     write_histogram(report, args.histogram)

@@ -42,7 +42,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 if TYPE_CHECKING:  # datasets is imported only when a dataset is packed (plan_packing does not need it)
-    from datasets import Dataset
+    from datasets import Dataset, IterableDataset
+
+    from lit_memtrain.datamodules.streaming import PackedStream
 
 STRATEGIES: tuple[str, ...] = ("bfd", "bfd_split", "wrapped")
 
@@ -117,7 +119,9 @@ def plan_packing(lengths: np.ndarray, max_length: int, strategy: str = "bfd") ->
     )
 
 
-def pack_dataset(dataset: Dataset, max_length: int, strategy: str = "bfd") -> Dataset:
+def pack_dataset(
+    dataset: Dataset | IterableDataset, max_length: int, strategy: str = "bfd", buffer_size: int = 1000
+) -> Dataset | PackedStream:
     """Pack every list column of ``dataset`` into rows of at most ``max_length`` tokens.
 
     Same contract as ``trl.pack_dataset``: all list columns (``input_ids``, ``labels``, masks)
@@ -126,41 +130,100 @@ def pack_dataset(dataset: Dataset, max_length: int, strategy: str = "bfd") -> Da
     row. The plan is global over the dataset (not per ``map`` batch) and the output keeps the
     dataset's format. With ``"bfd"`` / ``"bfd_split"`` shuffle the packed rows (the plan sorts by
     length, so shuffling before only reorders ties); with ``"wrapped"`` shuffle before packing.
+
+    A ``datasets.IterableDataset`` is packed on the fly, ``buffer_size`` examples at a time, into a
+    :class:`~lit_memtrain.datamodules.streaming.PackedStream` (a resumable torch ``IterableDataset``
+    of rows): host memory stays flat however long the stream.
     """
     _check_max_length(max_length)
     _check_strategy(strategy)
+    import datasets
+
+    if isinstance(dataset, datasets.IterableDataset):
+        from lit_memtrain.datamodules.streaming import PackedStream
+
+        return PackedStream(dataset, max_length, strategy, buffer_size=buffer_size, shuffle=False)
     schema = dataset.data.schema
-    packed_names = [name for name in schema.names if _is_list_type(schema.field(name).type)]
-    if not packed_names:
-        raise ValueError(
-            f"pack_dataset found no list column to pack among {schema.names}; "
-            "tokenise first so that `input_ids` holds one list of token ids per example."
-        )
+    packed_names = _list_columns(schema)
     table = dataset.select_columns(packed_names).with_format("arrow")[:]
-    lengths_from = "input_ids" if "input_ids" in packed_names else packed_names[0]
-    lengths = _list_lengths(table[lengths_from])
-    for name in packed_names:
-        if not np.array_equal(_list_lengths(table[name]), lengths):
-            raise ValueError(
-                f"Column '{name}' does not have as many items per example as '{lengths_from}', so "
-                f"it cannot be packed with it; remove it first (dataset.remove_columns(['{name}']))."
-            )
-    plan = plan_packing(lengths, max_length, strategy)
-    output = {name: _gather_rows(table[name], plan) for name in packed_names}
-    if strategy != "wrapped":
-        output["seq_lengths"] = pa.ListArray.from_arrays(
-            pa.array(plan.row_offsets, pa.int32()), pa.array(plan.segment_lengths, pa.int32())
-        )
-    packed_table = pa.table(output)
-    from datasets import Dataset, DatasetInfo, Features
+    packed_table = pack_table(table, max_length, strategy)
+    from datasets import DatasetInfo, Features
 
     features = Features.from_arrow_schema(packed_table.schema)
     features.update({name: dataset.features[name] for name in packed_names})
     fingerprint = hashlib.sha256(
         f"{dataset._fingerprint}|pack_dataset|{max_length}|{strategy}".encode()
     ).hexdigest()[:16]
-    packed = Dataset(packed_table, info=DatasetInfo(features=features), fingerprint=fingerprint)
+    packed = datasets.Dataset(packed_table, info=DatasetInfo(features=features), fingerprint=fingerprint)
     return _with_same_format(packed, dataset.format)
+
+
+def pack_table(table: pa.Table, max_length: int, strategy: str = "bfd") -> pa.Table:
+    """Pack the list columns of an Arrow ``table`` (one example per row) into rows of ``max_length`` tokens.
+
+    The core of :func:`pack_dataset`, also used window by window when streaming. ``"wrapped"`` copies
+    nothing: each block of ``max_length`` tokens that lies within one Arrow chunk is a slice of that
+    chunk's values; only blocks that straddle two chunks are copied.
+    """
+    _check_max_length(max_length)
+    _check_strategy(strategy)
+    names = _list_columns(table.schema)
+    lengths_from = "input_ids" if "input_ids" in names else names[0]
+    lengths = _list_lengths(table[lengths_from])
+    for name in names:
+        if not np.array_equal(_list_lengths(table[name]), lengths):
+            raise ValueError(
+                f"Column '{name}' does not have as many items per example as '{lengths_from}', so "
+                f"it cannot be packed with it; remove it first (dataset.remove_columns(['{name}']))."
+            )
+    if strategy == "wrapped" and not any(table[name].null_count for name in names):
+        return pa.table({name: _wrap_column(table[name], max_length) for name in names})
+    plan = plan_packing(lengths, max_length, strategy)
+    output = {name: _gather_rows(table[name], plan) for name in names}
+    if strategy != "wrapped":
+        output["seq_lengths"] = pa.ListArray.from_arrays(
+            pa.array(plan.row_offsets, pa.int32()), pa.array(plan.segment_lengths, pa.int32())
+        )
+    return pa.table(output)
+
+
+def _wrap_column(column: pa.ChunkedArray, max_length: int) -> pa.ChunkedArray:
+    """The concatenation of a list column's values cut into rows of ``max_length`` (the last row shorter).
+
+    Rows inside one chunk point into that chunk's values (no copy); a row that spans chunks is copied.
+    """
+    large = pa.types.is_large_list(column.type)
+    array_type = pa.LargeListArray if large else pa.ListArray
+    offset_type = pa.int64() if large else pa.int32()
+    pieces, partial, partial_length = [], [], 0
+
+    def close_partial() -> None:
+        values = pa.concat_arrays(partial) if len(partial) > 1 else partial[0]
+        pieces.append(array_type.from_arrays(pa.array([0, len(values)], offset_type), values, type=column.type))
+
+    for chunk in column.chunks:
+        offsets = chunk.offsets.to_numpy()
+        if not len(chunk) or offsets[-1] == offsets[0]:
+            continue
+        first, count = int(offsets[0]), int(offsets[-1] - offsets[0])
+        position = 0
+        if partial_length:
+            take = min(max_length - partial_length, count)
+            partial.append(chunk.values.slice(first, take))
+            partial_length, position = partial_length + take, take
+            if partial_length == max_length:
+                close_partial()
+                partial, partial_length = [], 0
+        full_rows = (count - position) // max_length
+        if full_rows:
+            row_offsets = first + position + max_length * np.arange(full_rows + 1, dtype=np.int64)
+            pieces.append(array_type.from_arrays(pa.array(row_offsets, offset_type), chunk.values, type=column.type))
+        rest = position + full_rows * max_length
+        if rest < count:
+            partial, partial_length = [chunk.values.slice(first + rest, count - rest)], count - rest
+    if partial_length:
+        close_partial()
+    return pa.chunked_array(pieces, column.type)
 
 
 def _split_into_chunks(
@@ -229,16 +292,21 @@ def _gather_rows(column: pa.ChunkedArray, plan: PackingPlan) -> pa.ChunkedArray:
             for c in chunks
         ]
         order = plan.source_order
-        copied = copy_segments(
+        size = int(token_offsets[-1])
+        # Arrow's memory pool, like any Arrow column: it reuses freed pages, where a fresh numpy array of
+        # this size would be mapped anew and zeroed page by page by the kernel (most of the copy's time).
+        buffer = pa.allocate_buffer(size * width)
+        copy_segments(
             sources,
             segment_chunks[order],
             segment_starts[order],
             plan.segment_lengths[order],
             token_offsets[:-1][order],
-            int(token_offsets[-1]),
-            _copy_workers(int(token_offsets[-1])),
+            size,
+            _copy_workers(size),
+            out=np.frombuffer(buffer, f"u{width}"),
         )
-        flat = pa.Array.from_buffers(value_type, len(copied), [None, pa.py_buffer(copied)])
+        flat = pa.Array.from_buffers(value_type, size, [None, buffer])
     else:
         first_offsets = np.array([c.offsets[0].as_py() for c in chunks], dtype=np.int64)
         used = [c.values.slice(first, c.offsets[-1].as_py() - first) for c, first in zip(chunks, first_offsets)]
@@ -298,6 +366,16 @@ def _with_same_format(packed: Dataset, dataset_format: dict) -> Dataset:
         output_all_columns=dataset_format.get("output_all_columns", False),
         **dataset_format.get("format_kwargs", {}),
     )
+
+
+def _list_columns(schema: pa.Schema) -> list[str]:
+    names = [name for name in schema.names if _is_list_type(schema.field(name).type)]
+    if not names:
+        raise ValueError(
+            f"pack_dataset found no list column to pack among {schema.names}; "
+            "tokenise first so that `input_ids` holds one list of token ids per example."
+        )
+    return names
 
 
 def _is_list_type(arrow_type: pa.DataType) -> bool:

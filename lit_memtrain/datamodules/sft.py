@@ -1,83 +1,141 @@
-"""SFTDataModule: load, tokenize, mask, truncate and batch a supervised fine-tuning dataset.
+"""SFTDataModule: load, tokenize, mask, truncate or pack, and batch a supervised fine-tuning dataset.
 
 Why one datamodule: every memory technique downstream (packing, padding-free batches, the chunked loss)
 relies on the same two columns, ``input_ids`` and unshifted ``labels`` with -100 on untrained tokens.
-Tokenization runs through ``datasets.map`` so it is cached and reused across runs.
+In memory, tokenization runs through ``datasets.map`` so it is cached and reused across runs; with
+``streaming=True`` examples are read, tokenized and packed a window at a time
+(:class:`~lit_memtrain.datamodules.streaming.PackedStream`), so a corpus larger than RAM trains with flat
+host memory. Either way the training dataloader resumes mid-epoch exactly where a checkpoint left it
+(:class:`~lit_memtrain.datamodules.resumable.ResumableDataLoader`), and each data-parallel rank reads its
+own share of the data.
+
+Truncation happens only where tokens are meant to be dropped: without packing and with ``bfd`` each
+example keeps its first ``max_length`` tokens; ``bfd_split`` and ``wrapped`` see whole examples and keep
+every token. What was kept, truncated and dropped is logged per split (``token_counts``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import torch
+import numpy as np
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lit_memtrain.datamodules.collate import PaddedCollator
+from lit_memtrain.datamodules.embedded import EMBEDDED
 from lit_memtrain.datamodules.padding_free import PaddingFreeCollator
-from lit_memtrain.datamodules.embedded import EMBEDDED, embedded_dataset_path
-from lit_memtrain.datamodules.tokenize import DatasetFormat, detect_format, tokenize_example
+from lit_memtrain.datamodules.resumable import ResumableDataLoader, ResumableSampler
+from lit_memtrain.datamodules.sources import RawData, RowLocator, load_raw_dataset, raise_for_invalid_json
+from lit_memtrain.datamodules.tokenize import DatasetFormat, TokenCounts, detect_format, tokenize_example
 from lit_memtrain.tokenizer import load_tokenizer
 
-if TYPE_CHECKING:
-    from datasets import Dataset, DatasetDict
+if TYPE_CHECKING:  # pyarrow and datasets are imported where data is read: the module imports without them
+    from datasets import Dataset
 
-_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
+    from lit_memtrain.datamodules.streaming import PackedStream, TokenizedWindow
+
+__all__ = ["SFTDataModule", "load_raw_dataset"]
 
 
-def load_raw_dataset(
-    dataset: str | Dataset | DatasetDict,
-    dataset_config: str | None = None,
-    data_files: str | list[str] | dict[str, Any] | None = None,
-) -> Dataset | DatasetDict:
-    """Load a hub dataset name, a local file (jsonl, json, parquet, csv, txt), a directory, or pass a Dataset through."""
-    import datasets
+def _template_error() -> tuple[type[BaseException], ...]:
+    try:
+        from jinja2.exceptions import TemplateError
+    except ImportError:
+        return ()
+    return (TemplateError,)
 
-    if isinstance(dataset, (datasets.Dataset, datasets.DatasetDict)):
-        return dataset
-    if dataset == EMBEDDED:
-        return datasets.load_dataset("json", data_files=embedded_dataset_path())
-    path = Path(dataset)
-    if path.is_file():
-        builder = _FILE_BUILDERS.get(path.suffix.lower())
-        if builder is None:
-            raise ValueError(
-                f"Cannot load {dataset!r}: unknown file type {path.suffix!r}. Supported: {', '.join(_FILE_BUILDERS)}."
+
+def tokenize_row(example: dict[str, Any], index: int, locator: RowLocator, **kwargs: Any) -> dict[str, Any]:
+    """:func:`tokenize_example`, with the file and line of the row in any error."""
+    try:
+        return tokenize_example(example, **kwargs)
+    except (ValueError, TypeError, KeyError, *_template_error()) as error:
+        raise ValueError(f"{locator(index)}: {error}") from error
+
+
+@dataclass
+class WindowTokenizer:
+    """Tokenizes a window of a raw stream into Arrow list columns, dropping examples with nothing to train."""
+
+    tokenizer: Any
+    dataset_format: str
+    max_length: int | None
+    completion_only_loss: bool
+    assistant_only_loss: bool
+    locator: RowLocator
+
+    def __call__(self, rows: dict[str, list], first_index: int) -> TokenizedWindow:
+        import pyarrow as pa
+
+        from lit_memtrain.datamodules.streaming import TokenizedWindow
+
+        columns = list(rows)
+        input_ids, labels, counts = [], [], TokenCounts()
+        for offset in range(len(rows[columns[0]]) if columns else 0):
+            out = tokenize_row(
+                {name: rows[name][offset] for name in columns},
+                first_index + offset,
+                self.locator,
+                tokenizer=self.tokenizer,
+                dataset_format=self.dataset_format,
+                max_length=self.max_length,
+                completion_only_loss=self.completion_only_loss,
+                assistant_only_loss=self.assistant_only_loss,
             )
-        return datasets.load_dataset(builder, data_files=str(path))
-    if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
-        return datasets.load_from_disk(str(path))
-    return datasets.load_dataset(dataset, dataset_config, data_files=data_files)
+            counts.examples += 1
+            counts.tokens += out["num_tokens"]
+            if out["num_trainable"] == 0:
+                counts.dropped_examples += 1
+                counts.dropped_tokens += out["num_tokens"]
+                continue
+            counts.kept_tokens += len(out["input_ids"])
+            counts.truncated_tokens += out["num_tokens"] - len(out["input_ids"])
+            input_ids.append(out["input_ids"])
+            labels.append(out["labels"])
+        table = pa.table(
+            {"input_ids": pa.array(input_ids, pa.list_(pa.int32())), "labels": pa.array(labels, pa.list_(pa.int32()))}
+        )
+        return TokenizedWindow(table, counts)
 
 
 class SFTDataModule(LightningDataModule):
-    """Tokenized, masked and truncated SFT data for a causal LM.
+    """Tokenized, masked, truncated or packed SFT data for a causal LM.
 
     Args:
         tokenizer: hub id or local path of a tokenizer, or ``"lit-memtrain/embedded"``.
-        dataset: hub dataset name, local file or directory, an in-memory ``datasets.Dataset``, or
-            ``"lit-memtrain/embedded"``.
+        dataset: hub dataset name, local file or directory, an in-memory ``datasets.Dataset`` (or
+            ``IterableDataset`` with ``streaming``), or ``"lit-memtrain/embedded"``.
         dataset_config: the hub dataset's configuration name.
         data_files: passed to ``datasets.load_dataset`` for hub or directory datasets.
         split: split to train on.
         dataset_format: ``auto`` (from the columns), ``text``, ``prompt_completion`` or ``conversational``.
-        max_length: keep the first ``max_length`` tokens of each example.
+        max_length: tokens per example (truncation) or per packed row.
         completion_only_loss: prompt-completion data trains only on the completion.
         assistant_only_loss: conversations train only on assistant turns.
-        val_size: fraction (< 1) or number (>= 1) of training examples held out for validation.
+        val_size: fraction (< 1) or number (>= 1) of training examples held out for validation (with
+            ``streaming``: a number, the first examples of the stream).
         val_split: name of an existing split to validate on instead.
-        batch_size: examples per training batch; ``val_batch_size`` defaults to it.
+        batch_size: examples (or packed rows) per training batch; ``val_batch_size`` defaults to it.
         pad_to_multiple_of: round the padded length up to a multiple of this.
-        packing: pack whole examples into rows of at most ``max_length`` tokens (after tokenization and
-            truncation; see :func:`~lit_memtrain.datamodules.packing.pack_dataset`). Packed rows are
-            always collated padding-free, so with ``bfd`` / ``bfd_split`` documents never attend to each other.
-        packing_strategy: ``bfd`` (drop overflow), ``bfd_split`` (split long examples, lose nothing) or
-            ``wrapped`` (fixed blocks that cut examples anywhere; a block is one document, so the examples
-            inside it do attend to each other, as in pre-training).
+        packing: pack examples into rows of at most ``max_length`` tokens (see
+            :func:`~lit_memtrain.datamodules.packing.pack_dataset`). Packed rows are always collated
+            padding-free, so with ``bfd`` / ``bfd_split`` documents never attend to each other.
+        packing_strategy: ``bfd`` (keep the first ``max_length`` tokens of each example, drop the
+            overflow), ``bfd_split`` (split long examples into ``max_length`` chunks, lose nothing) or
+            ``wrapped`` (fixed blocks that cut examples anywhere and lose nothing; a block is one
+            document, so the examples inside it do attend to each other, as in pre-training).
         padding_free: flatten each batch into one row with ``position_ids`` restarting per document
             (defaults to ``packing``).
+        streaming: read, tokenize and pack the data on the fly, ``buffer_size`` examples at a time
+            (host memory stays flat); the training stream repeats, so set ``Trainer(max_steps=...)``.
+        buffer_size: examples per streaming window (packing plans over one window at a time).
+        num_workers: DataLoader workers (in-memory data only: a stream is read by the training process).
+        num_proc: processes for tokenization with ``datasets.map``.
+        seed: seed of the shuffle (in-memory: the order of each epoch; streaming: rows within a window).
 
     Example:
         >>> dm = SFTDataModule(tokenizer="lit-memtrain/embedded", dataset="lit-memtrain/embedded", max_length=64)
@@ -103,6 +161,8 @@ class SFTDataModule(LightningDataModule):
         packing: bool = False,
         packing_strategy: Literal["bfd", "bfd_split", "wrapped"] = "bfd",
         padding_free: bool | None = None,
+        streaming: bool = False,
+        buffer_size: int = 1000,
         num_workers: int = 0,
         num_proc: int | None = None,
         seed: int = 42,
@@ -125,6 +185,18 @@ class SFTDataModule(LightningDataModule):
 
         if packing_strategy not in STRATEGIES:
             raise ValueError(f"packing_strategy must be one of {STRATEGIES}, got {packing_strategy!r}.")
+        if buffer_size < 1:
+            raise ValueError(f"buffer_size must be at least 1 example, got {buffer_size}.")
+        if streaming and num_workers:
+            raise ValueError(
+                "streaming=True reads the stream in order in the training process (that is what makes it "
+                "resumable): set num_workers=0."
+            )
+        if streaming and 0 < val_size < 1:
+            raise ValueError(
+                f"val_size={val_size} is a fraction, but a stream has no known length: give a number of "
+                "examples (the first ones of the stream are held out) or a val_split."
+            )
         self.save_hyperparameters(ignore=["dataset"] if not isinstance(dataset, str) else None)
         self.tokenizer_name = tokenizer
         self.dataset = dataset
@@ -143,75 +215,125 @@ class SFTDataModule(LightningDataModule):
         self.packing = packing
         self.packing_strategy = packing_strategy
         self.padding_free = packing if padding_free is None else padding_free
+        self.streaming = streaming
+        self.buffer_size = buffer_size
         self.num_workers = num_workers
         self.num_proc = num_proc
         self.seed = seed
         self.tokenizer = load_tokenizer(tokenizer)
-        self.train_dataset: Dataset | None = None
-        self.val_dataset: Dataset | None = None
-        self.num_dropped = 0
+        self.train_dataset: Dataset | PackedStream | None = None
+        self.val_dataset: Dataset | PackedStream | None = None
+        self.token_counts: dict[str, TokenCounts] = {}
+        self._train_loader: ResumableDataLoader | None = None
+        self._train_loader_state: dict[str, Any] | None = None
 
-    def _tokenize(self, raw: Dataset, name: str) -> tuple[Dataset, int]:
-        columns = list(raw.column_names)
-        dataset_format = detect_format(columns, self.dataset_format)
+    @property
+    def num_dropped(self) -> int:
+        """Training examples dropped for having no trainable token (in-memory data)."""
+        return self.token_counts["train"].dropped_examples if "train" in self.token_counts else 0
+
+    @property
+    def num_truncated_tokens(self) -> int:
+        """Training tokens cut past ``max_length`` (without packing, or by ``bfd``)."""
+        return self.token_counts["train"].truncated_tokens if "train" in self.token_counts else 0
+
+    @property
+    def _truncate_at(self) -> int | None:
+        """Where examples are cut: nowhere for the strategies that keep every token."""
+        keeps_everything = self.packing and self.packing_strategy in ("bfd_split", "wrapped")
+        return None if keeps_everything else self.max_length
+
+    # ----------------------------------------------------------------------------------------- loading
+
+    def _load(self) -> tuple[RawData, Any, Any]:
+        """The raw training split and validation split (or None), in memory or streamed."""
+        import datasets
+
+        raw = load_raw_dataset(self.dataset, self.dataset_config, self.data_files, streaming=self.streaming)
+        data, val = raw.data, None
+        if isinstance(data, (datasets.DatasetDict, datasets.IterableDatasetDict)):
+            if self.split not in data:
+                raise ValueError(f"Split {self.split!r} not found; the dataset has splits {list(data)}.")
+            if self.val_split is not None:
+                if self.val_split not in data:
+                    raise ValueError(f"val_split {self.val_split!r} not found; the dataset has splits {list(data)}.")
+                val = data[self.val_split]
+            data = data[self.split]
+        elif self.val_split is not None:
+            raise ValueError(f"val_split={self.val_split!r} was given but the dataset has a single split.")
+        return raw, data, val
+
+    def _format_of(self, columns: list[str], raw: RawData, split: str, first: dict[str, Any] | None) -> str:
+        try:
+            dataset_format = detect_format(columns, self.dataset_format)
+        except ValueError as error:
+            raise ValueError(f"The {split} split{raw.describe(split)}: {error}") from None
         if dataset_format in ("conversational", "prompt_completion") and not self.tokenizer.chat_template:
-            first = raw[0] if len(raw) else {}
-            if dataset_format == "conversational" or isinstance(first.get("prompt"), list):
+            if dataset_format == "conversational" or isinstance((first or {}).get("prompt"), list):
                 raise ValueError(
-                    f"The {name} data is conversational but tokenizer {self.tokenizer_name!r} has no chat template. "
+                    f"The {split} data is conversational but tokenizer {self.tokenizer_name!r} has no chat template. "
                     "Use a tokenizer with a chat_template (for example an instruct model's) or set one on it."
                 )
-        fn_kwargs = {
+        return dataset_format
+
+    def _tokenize_kwargs(self, dataset_format: str, max_length: int | None) -> dict[str, Any]:
+        return {
             "tokenizer": self.tokenizer,
             "dataset_format": dataset_format,
-            "max_length": self.max_length,
+            "max_length": max_length,
             "completion_only_loss": self.completion_only_loss,
             "assistant_only_loss": self.assistant_only_loss,
         }
-        tokenized = raw.map(
-            tokenize_example,
-            fn_kwargs=fn_kwargs,
+
+    def _tokenize(self, data: Dataset, raw: RawData, split: str, name: str, max_length: int | None) -> Dataset:
+        """Tokenize an in-memory split, drop examples with nothing to train, count and log the tokens."""
+        from lit_memtrain.datamodules.packing import _list_lengths
+
+        columns = list(data.column_names)
+        dataset_format = self._format_of(columns, raw, split, data[0] if len(data) else None)
+        tokenized = data.map(
+            tokenize_row,
+            with_indices=True,
+            fn_kwargs={"locator": raw.locator(split), **self._tokenize_kwargs(dataset_format, max_length)},
             remove_columns=columns,
             num_proc=self.num_proc,
             desc=f"Tokenizing {name} ({dataset_format})",
         )
-        kept = tokenized.filter(lambda n: n > 0, input_columns="num_trainable", num_proc=self.num_proc)
-        dropped = len(tokenized) - len(kept)
-        if dropped:
+        table = tokenized.with_format("arrow")[:]
+        num_tokens = table.column("num_tokens").to_numpy()
+        kept_lengths = _list_lengths(table.column("input_ids"))
+        keep = table.column("num_trainable").to_numpy() > 0
+        counts = TokenCounts(
+            examples=len(keep),
+            tokens=int(num_tokens.sum()),
+            kept_tokens=int(kept_lengths[keep].sum()),
+            truncated_tokens=int((num_tokens - kept_lengths)[keep].sum()),
+            dropped_examples=int((~keep).sum()),
+            dropped_tokens=int(num_tokens[~keep].sum()),
+        )
+        self.token_counts[name] = counts
+        if counts.dropped_examples:
             rank_zero_warn(
-                f"Dropped {dropped} of {len(tokenized)} {name} examples with no trainable token "
+                f"Dropped {counts.dropped_examples} of {counts.examples} {name} examples with no trainable token "
                 f"(after masking and truncation to max_length={self.max_length})."
             )
-        if len(kept) == 0:
+        if not keep.any():
             raise ValueError(
-                f"The {name} dataset is empty after filtering: all {len(tokenized)} examples have no trainable token "
-                f"after masking and truncation to max_length={self.max_length}. Raise max_length, or check the "
-                "loss masks (completion_only_loss / assistant_only_loss) against your columns."
+                f"The {name} dataset{raw.describe(split)} is empty after filtering: all {counts.examples} examples "
+                f"have no trainable token after masking and truncation to max_length={self.max_length}. Raise "
+                "max_length, or check the loss masks (completion_only_loss / assistant_only_loss) against your columns."
             )
-        rank_zero_info(f"{name}: {len(kept)} examples ({dropped} dropped).")
-        return kept, dropped
+        rank_zero_info(f"{name}: {counts.describe(self.max_length)}.")
+        return tokenized.filter(lambda n: n > 0, input_columns="num_trainable", num_proc=self.num_proc)
 
-    def _prepare(self) -> tuple[Dataset, Dataset | None, int]:
-        import datasets
-
-        raw = load_raw_dataset(self.dataset, self.dataset_config, self.data_files)
-        val_raw = None
-        if isinstance(raw, datasets.DatasetDict):
-            if self.split not in raw:
-                raise ValueError(f"Split {self.split!r} not found; the dataset has splits {list(raw)}.")
-            if self.val_split is not None:
-                if self.val_split not in raw:
-                    raise ValueError(f"val_split {self.val_split!r} not found; the dataset has splits {list(raw)}.")
-                val_raw = raw[self.val_split]
-            raw = raw[self.split]
-        elif self.val_split is not None:
-            raise ValueError(f"val_split={self.val_split!r} was given but the dataset has a single split.")
-        if len(raw) == 0:
-            raise ValueError(f"The training split {self.split!r} is empty.")
-        train, dropped = self._tokenize(raw, "train")
+    def _prepare(self) -> tuple[Dataset, Dataset | None]:
+        raw, data, val_data = self._load()
+        if len(data) == 0:
+            raise ValueError(f"The training split {self.split!r}{raw.describe(self.split)} is empty.")
+        train = self._tokenize(data, raw, self.split, "train", self._truncate_at)
         val = None
-        if val_raw is not None:
-            val, _ = self._tokenize(val_raw, "validation")
+        if val_data is not None:
+            val = self._tokenize(val_data, raw, self.val_split, "validation", self._truncate_at)
         elif self.val_size:
             size = self.val_size if self.val_size < 1 else int(self.val_size)
             if isinstance(size, int) and size >= len(train):
@@ -221,7 +343,7 @@ class SFTDataModule(LightningDataModule):
         if self.packing:
             train = self._pack(train)
             val = self._pack(val) if val is not None else None
-        return train, val, dropped
+        return train, val
 
     def _pack(self, dataset: Dataset) -> Dataset:
         """Pack the tokenized split; the result is cached beside the tokenization cache when there is one."""
@@ -241,37 +363,177 @@ class SFTDataModule(LightningDataModule):
         packed.save_to_disk(str(path))
         return packed
 
+    # --------------------------------------------------------------------------------------- streaming
+
+    def _data_parallel(self) -> tuple[int, int]:
+        """(replicas, rank) of data parallelism: what Lightning's own sampler would use (1, 0 without a trainer)."""
+        trainer = self.trainer
+        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer is not None else None
+        kwargs = kwargs or {}
+        return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
+
+    def _stream(self, data: Any, raw: RawData, split: str, name: str, train: bool, whole: bool = False) -> PackedStream:
+        """A stream of this rank's share of ``data``, tokenized and packed (or truncated) a window at a time;
+        ``whole`` yields the tokenized examples uncut and unpacked (for the length profiler)."""
+        from datasets.distributed import split_dataset_by_node
+
+        from lit_memtrain.datamodules.streaming import PackedStream
+
+        try:
+            first = next(iter(data.take(1)), None)
+        except Exception as error:  # noqa: BLE001 - re-raised, with the bad JSON line when there is one
+            raise_for_invalid_json(raw.files.get(split, ()), error)
+            raise
+        if first is None:
+            raise ValueError(f"The {name} stream{raw.describe(split)} is empty.")
+        dataset_format = self._format_of(list(first), raw, split, first)
+        replicas, rank = self._data_parallel()
+        locator = raw.locator(split)
+        if replicas > 1:  # as datasets splits: whole shards when they divide evenly, else every replicas-th row
+            if data.num_shards % replicas == 0 and data.num_shards > 1:
+                locator = RowLocator((), f"the shards of rank {rank} of the {split} split")
+            else:
+                locator = RowLocator(locator.files, locator.split, step=replicas, offset=rank)
+            data = split_dataset_by_node(data, rank=rank, world_size=replicas)
+        truncate_at = None if whole else self._truncate_at
+        tokenize = WindowTokenizer(**self._tokenize_kwargs(dataset_format, truncate_at), locator=locator)
+
+        def log(counts: TokenCounts) -> None:
+            self.token_counts[name] = counts
+            rank_zero_info(f"{name} stream (rank {rank}), one pass: {counts.describe(self.max_length)}.")
+
+        return PackedStream(
+            data,
+            2**62 if whole else self.max_length,
+            self.packing_strategy if self.packing and not whole else None,
+            buffer_size=self.buffer_size,
+            tokenize=tokenize,
+            shuffle=train,
+            seed=self.seed,
+            repeat=train,
+            on_pass_end=log,
+            files=raw.files.get(split, ()),
+        )
+
+    def _prepare_stream(self) -> tuple[PackedStream, PackedStream | None]:
+        raw, data, val_data = self._load()
+        if self.val_size:
+            val_data, data = data.take(int(self.val_size)), data.skip(int(self.val_size))
+        train = self._stream(data, raw, self.split, "train", train=True)
+        val = None
+        if val_data is not None:
+            val = self._stream(val_data, raw, self.val_split or self.split, "validation", train=False)
+        return train, val
+
+    # ------------------------------------------------------------------------------------------- hooks
+
     def prepare_data(self) -> None:
         # Runs on one process per node before setup: it fills the datasets cache that the other ranks read.
         # This process keeps the result, so its own setup does not redo the work.
-        if isinstance(self.dataset, str) and self.train_dataset is None:
-            self.train_dataset, self.val_dataset, self.num_dropped = self._prepare()
+        if not self.streaming and isinstance(self.dataset, str) and self.train_dataset is None:
+            self.train_dataset, self.val_dataset = self._prepare()
 
     def setup(self, stage: str) -> None:
-        if self.train_dataset is None:
-            self.train_dataset, self.val_dataset, self.num_dropped = self._prepare()
+        if self.streaming:
+            trainer = self.trainer
+            if stage == "fit" and trainer is not None and trainer.max_steps < 0:
+                raise ValueError(
+                    "streaming=True trains on a stream that repeats without end (every rank stays in step): "
+                    "set Trainer(max_steps=...) to say how long to train."
+                )
+            if self.train_dataset is None:
+                self.train_dataset, self.val_dataset = self._prepare_stream()
+        elif self.train_dataset is None:
+            self.train_dataset, self.val_dataset = self._prepare()
+
+    def token_lengths(self, sample: int | None = None) -> np.ndarray:
+        """Untruncated token lengths of the training examples that have something to train (for the length
+        profiler); with ``streaming``, of the first ``sample`` examples of the stream (10,000 by default)."""
+        raw, data, _ = self._load()
+        if self.streaming:
+            stream = self._stream(data.take(sample or 10_000), raw, self.split, "train", train=False, whole=True)
+            return np.array([len(row["input_ids"]) for row in stream], dtype=np.int64)
+        from lit_memtrain.datamodules.packing import _list_lengths
+
+        tokenized = self._tokenize(data, raw, self.split, "train", None)
+        lengths = _list_lengths(tokenized.with_format("arrow")[:].column("input_ids"))
+        return lengths if sample is None else lengths[:sample]
 
     def collator(self) -> PaddedCollator | PaddingFreeCollator:
         if self.padding_free:
             return PaddingFreeCollator(self.tokenizer.pad_token_id, self.pad_to_multiple_of)
         return PaddedCollator(self.tokenizer.pad_token_id, self.pad_to_multiple_of)
 
-    def _loader(self, dataset: Dataset, batch_size: int, shuffle: bool) -> DataLoader:
+    def _columns(self, dataset: Dataset) -> Dataset:
         columns = ["input_ids", "labels", "seq_lengths"] if "seq_lengths" in dataset.column_names else ["input_ids", "labels"]
-        return DataLoader(
-            dataset.select_columns(columns),
-            batch_size=batch_size,
-            shuffle=shuffle,
-            collate_fn=self.collator(),
-            num_workers=self.num_workers,
-            generator=torch.Generator().manual_seed(self.seed) if shuffle else None,
-            persistent_workers=self.num_workers > 0,
-        )
+        return dataset.select_columns(columns)
 
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_dataset, self.batch_size, shuffle=True)
+    def _consumed_batches(self) -> int:
+        """Batches of the current epoch that the trainer has run a step on (Lightning fetches one ahead)."""
+        return self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+
+    def train_dataloader(self) -> ResumableDataLoader:
+        consumed = self._consumed_batches if self.trainer is not None else None
+        if self.streaming:
+            loader = ResumableDataLoader(
+                self.train_dataset, batch_size=self.batch_size, collate_fn=self.collator(), consumed_batches=consumed
+            )
+        else:
+            dataset = self._columns(self.train_dataset)
+            replicas, rank = self._data_parallel()
+            loader = ResumableDataLoader(
+                dataset,
+                batch_size=self.batch_size,
+                sampler=ResumableSampler(dataset, num_replicas=replicas, rank=rank, shuffle=True, seed=self.seed),
+                collate_fn=self.collator(),
+                num_workers=self.num_workers,
+                persistent_workers=self.num_workers > 0,
+                consumed_batches=consumed,
+            )
+        if self._train_loader_state is not None:
+            loader.load_state_dict(self._train_loader_state)
+            self._train_loader_state = None
+        self._train_loader = loader
+        return loader
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val_dataset is None:
             return []
-        return self._loader(self.val_dataset, self.val_batch_size, shuffle=False)
+        if self.streaming:
+            return DataLoader(self.val_dataset, batch_size=self.val_batch_size, collate_fn=self.collator())
+        return DataLoader(
+            self._columns(self.val_dataset),
+            batch_size=self.val_batch_size,
+            shuffle=False,
+            collate_fn=self.collator(),
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    # ------------------------------------------------------------------------------------ resume state
+
+    def state_dict(self) -> dict[str, Any]:
+        """The training dataloader's position, saved in checkpoints so a resumed run continues mid-epoch."""
+        if self._train_loader is None:
+            return {}
+        return {"train_loader": self._train_loader.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume the training dataloader from a checkpoint's position.
+
+        Lightning restores the datamodule before it builds the dataloaders, except with strategies that
+        restore after their setup (FSDP, ModelParallel) when ``configure_optimizers`` reads
+        ``trainer.estimated_stepping_batches``: the loader has then been iterated already and Lightning
+        drops the saved position (Lightning issue #20550). In that case the loader takes the position
+        and Lightning's fetcher is started again from it.
+        """
+        loader_state = state_dict.get("train_loader")
+        if loader_state is None:
+            return
+        fetcher = getattr(self.trainer.fit_loop, "_data_fetcher", None) if self.trainer is not None else None
+        combined = getattr(fetcher, "_combined_loader", None)
+        if self._train_loader is not None and combined is not None and self._train_loader in combined.flattened:
+            self._train_loader.load_state_dict(loader_state)
+            iter(fetcher)
+        else:
+            self._train_loader_state = loader_state

@@ -8,12 +8,22 @@ Formats, detected from the columns:
 - ``prompt`` + ``completion``: strings, or lists of chat messages (rendered with the chat template);
   with ``completion_only_loss`` only the completion (and its eos) is trained.
 - ``messages``: a conversation rendered with the chat template; with ``assistant_only_loss`` only the
-  assistant turns are trained. Templates with ``{% generation %}`` marks give the mask directly; other
-  templates are masked by rendering each conversation prefix and locating the assistant text.
+  assistant turns are trained. Templates with ``{% generation %}`` marks (any whitespace-trim variant, such
+  as ``{%- generation %}``) give the mask directly; other templates are masked by rendering each
+  conversation prefix and locating the assistant text.
+
+Special tokens follow TRL's SFT tokenization token for token: strings are tokenized with the tokenizer's
+own special tokens (so Llama 3 and Gemma get their ``<bos>`` first), eos is appended as text before
+tokenizing, and a prompt-completion pair is tokenized whole, the completion starting where the tokens of
+the prompt alone stop matching. Chat templates write their own special tokens, so rendered conversations
+are tokenized without adding any (no double BOS). One deliberate difference: a string that already starts
+with the BOS token's text (a conversation rendered by hand) does not get a second BOS.
 """
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import Any, Literal
 
 IGNORE_INDEX = -100
@@ -23,6 +33,46 @@ FORMATS: dict[str, tuple[str, ...]] = {
     "prompt_completion": ("prompt", "completion"),
     "conversational": ("messages",),
 }
+_GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+@dataclass
+class TokenCounts:
+    """What was read and what was kept, in examples and tokens (a split, or one pass over a stream).
+
+    ``tokens = kept_tokens + truncated_tokens + dropped_tokens``: truncated tokens are those past
+    ``max_length`` (cut by ``bfd``, or by truncation without packing); dropped ones belong to examples
+    dropped whole (no trainable token, or empty).
+    """
+
+    examples: int = 0
+    tokens: int = 0
+    kept_tokens: int = 0
+    truncated_tokens: int = 0
+    dropped_examples: int = 0
+    dropped_tokens: int = 0
+
+    def add(self, other: TokenCounts) -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def describe(self, max_length: int) -> str:
+        """One line for the log: examples and tokens read, kept, truncated and dropped."""
+        share = f" ({100 * self.truncated_tokens / self.tokens:.1f}%)" if self.tokens else ""
+        return (
+            f"{self.examples:,} examples, {self.tokens:,} tokens: {self.kept_tokens:,} kept, "
+            f"{self.truncated_tokens:,}{share} truncated past max_length={max_length}, "
+            f"{self.dropped_tokens:,} in {self.dropped_examples:,} dropped examples"
+        )
+
+
+class ExampleError(ValueError):
+    """One example cannot be tokenized; the datamodule adds where the example is (file and line)."""
+
+
+def has_generation_marks(chat_template: str | None) -> bool:
+    """Whether a chat template marks assistant content with ``{% generation %}`` (or ``{%- generation -%}``...)."""
+    return bool(chat_template) and _GENERATION_MARK.search(chat_template) is not None
 
 
 def detect_format(columns: list[str], requested: DatasetFormat = "auto") -> str:
@@ -46,56 +96,104 @@ def detect_format(columns: list[str], requested: DatasetFormat = "auto") -> str:
     )
 
 
-def _ids(tokenizer: Any, text: str) -> list[int]:
-    if not isinstance(text, str):
-        raise ValueError(
-            f"Expected text, got a {type(text).__name__} value {text!r}. Text columns must hold strings "
+def _field(example: dict[str, Any], name: str) -> Any:
+    value = example.get(name)
+    if value is None:
+        present = sorted(key for key, item in example.items() if item is not None)
+        raise ExampleError(f"the row has no {name!r} value (it has {present}); every row needs one.")
+    return value
+
+
+def _check_text(value: Any, name: str) -> str:
+    if not isinstance(value, str):
+        raise ExampleError(
+            f"{name!r}: expected text, got a {type(value).__name__} value {value!r}. Text columns must hold strings "
             "(a CSV column of numbers is read as numbers: quote it or convert the column to strings)."
         )
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return value
 
 
-def _with_eos(tokenizer: Any, ids: list[int]) -> list[int]:
-    eos = tokenizer.eos_token_id
-    if eos is not None and (not ids or ids[-1] != eos):
-        return ids + [eos]
+def _check_messages(messages: Any, name: str) -> list[dict[str, Any]]:
+    if not isinstance(messages, list):
+        raise ExampleError(f"{name!r}: expected a list of chat messages, got a {type(messages).__name__}.")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ExampleError(f"{name!r}: message {index} is a {type(message).__name__}, not a dict.")
+        for key in ("role", "content"):
+            if message.get(key) is None:
+                raise ExampleError(
+                    f"{name!r}: message {index} has no {key!r} (it has {sorted(k for k, v in message.items() if v is not None)}); "
+                    "every message needs a 'role' and a 'content'."
+                )
+    return messages
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of ``text`` with the tokenizer's special tokens, never starting with two BOS tokens."""
+    ids = list(tokenizer(text)["input_ids"])
+    bos, bos_text = tokenizer.bos_token_id, tokenizer.bos_token
+    if bos is not None and ids[:2] == [bos, bos] and bos_text and text.startswith(bos_text):
+        ids = ids[1:]
     return ids
 
 
+def _with_eos_text(tokenizer: Any, text: str) -> str:
+    eos = tokenizer.eos_token
+    return text if eos is None or text.endswith(eos) else text + eos
+
+
+def _common_prefix_length(ids: list[int], other: list[int]) -> int:
+    length = 0
+    for token, other_token in zip(ids, other):
+        if token != other_token:
+            break
+        length += 1
+    return length
+
+
 def tokenize_text(example: dict[str, Any], tokenizer: Any) -> dict[str, list[int]]:
-    """Language modelling: train on every token, eos appended."""
-    ids = _with_eos(tokenizer, _ids(tokenizer, example["text"]))
+    """Language modelling: train on every token; special tokens added, eos appended."""
+    text = _check_text(_field(example, "text"), "text")
+    ids = encode(tokenizer, _with_eos_text(tokenizer, text))
     return {"input_ids": ids, "labels": list(ids)}
 
 
-def _render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+def _chat_ids(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
+    return tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)
 
 
 def tokenize_prompt_completion(
     example: dict[str, Any], tokenizer: Any, completion_only_loss: bool = True
 ) -> dict[str, list[int]]:
-    """Prompt followed by completion; with ``completion_only_loss`` the prompt is masked."""
-    prompt, completion = example["prompt"], example["completion"]
-    if isinstance(prompt, list):
-        prompt_text = _render(tokenizer, prompt, add_generation_prompt=True)
-        full_text = _render(tokenizer, prompt + completion)
-        if not full_text.startswith(prompt_text):
-            raise ValueError(
-                "The chat template renders the prompt differently once the completion is appended, so the "
-                "completion cannot be located. Use a template with {% generation %} marks or string columns."
+    """Prompt followed by completion, tokenized whole; with ``completion_only_loss`` the prompt is masked."""
+    prompt, completion = _field(example, "prompt"), _field(example, "completion")
+    if isinstance(prompt, list) or isinstance(completion, list):
+        prompt = _check_messages(prompt, "prompt")
+        completion = _check_messages(completion, "completion")
+        prompt_ids = list(_chat_ids(tokenizer, prompt, add_generation_prompt=True)["input_ids"])
+        input_ids = list(_chat_ids(tokenizer, prompt + completion)["input_ids"])
+        prompt_length = _common_prefix_length(prompt_ids, input_ids)
+        if prompt_length < len(prompt_ids):
+            raise ExampleError(
+                "the chat template renders the prompt differently once the completion is appended (or its last "
+                "tokens merge with the completion's), so the completion cannot be located. Use a template with "
+                "{% generation %} marks and 'messages' data, or string columns."
             )
-        prompt_ids = _ids(tokenizer, prompt_text)
-        completion_ids = _ids(tokenizer, full_text[len(prompt_text) :])
     else:
-        prompt_ids = _ids(tokenizer, prompt)
-        completion_ids = _with_eos(tokenizer, _ids(tokenizer, completion))
-    input_ids = prompt_ids + completion_ids
+        prompt = _check_text(prompt, "prompt")
+        completion = _check_text(completion, "completion")
+        prompt_ids = encode(tokenizer, prompt)
+        input_ids = encode(tokenizer, prompt + _with_eos_text(tokenizer, completion))
+        prompt_length = _common_prefix_length(prompt_ids, input_ids)
     if completion_only_loss:
-        labels = [IGNORE_INDEX] * len(prompt_ids) + list(completion_ids)
+        labels = [IGNORE_INDEX] * prompt_length + input_ids[prompt_length:]
     else:
         labels = list(input_ids)
     return {"input_ids": input_ids, "labels": labels}
+
+
+def _render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
 def _assistant_char_spans(tokenizer: Any, messages: list[dict[str, Any]], full_text: str) -> list[tuple[int, int]]:
@@ -120,14 +218,12 @@ def tokenize_conversation(
     example: dict[str, Any], tokenizer: Any, assistant_only_loss: bool = True
 ) -> dict[str, list[int]]:
     """A chat rendered with the tokenizer's template; with ``assistant_only_loss`` only assistant turns train."""
-    messages = example["messages"]
+    messages = _check_messages(_field(example, "messages"), "messages")
     if not assistant_only_loss:
-        ids = _ids(tokenizer, _render(tokenizer, messages))
+        ids = list(_chat_ids(tokenizer, messages)["input_ids"])
         return {"input_ids": ids, "labels": list(ids)}
-    if "{% generation %}" in (tokenizer.chat_template or ""):
-        out = tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-        )
+    if has_generation_marks(tokenizer.chat_template):
+        out = _chat_ids(tokenizer, messages, return_assistant_tokens_mask=True)
         ids, mask = list(out["input_ids"]), out["assistant_masks"]
     else:
         full_text = _render(tokenizer, messages)
@@ -139,18 +235,24 @@ def tokenize_conversation(
     return {"input_ids": ids, "labels": labels}
 
 
+def count_trainable(labels: list[int]) -> int:
+    """Labels predicted from an earlier token (positions 1 onwards): what the shifted loss trains on."""
+    return sum(1 for label in labels[1:] if label != IGNORE_INDEX)
+
+
 def tokenize_example(
     example: dict[str, Any],
     tokenizer: Any,
     dataset_format: str,
-    max_length: int,
+    max_length: int | None = None,
     completion_only_loss: bool = True,
     assistant_only_loss: bool = True,
 ) -> dict[str, Any]:
-    """Tokenize one example of ``dataset_format``, keep its first ``max_length`` tokens and count trainable targets.
+    """Tokenize one example of ``dataset_format``; keep its first ``max_length`` tokens (all when None).
 
-    ``num_trainable`` counts labels that are predicted from an earlier token (positions 1 onwards), which is what
-    the shifted loss trains on; an example with none is dropped by the datamodule.
+    Returns ``input_ids``, ``labels``, ``num_tokens`` (the length before truncation, so the truncated tokens
+    can be counted) and ``num_trainable`` (see :func:`count_trainable`, on the kept labels); an example with
+    no trainable token is dropped by the datamodule.
     """
     if dataset_format == "text":
         out = tokenize_text(example, tokenizer)
@@ -158,6 +260,6 @@ def tokenize_example(
         out = tokenize_prompt_completion(example, tokenizer, completion_only_loss)
     else:
         out = tokenize_conversation(example, tokenizer, assistant_only_loss)
+    num_tokens = len(out["input_ids"])
     input_ids, labels = out["input_ids"][:max_length], out["labels"][:max_length]
-    num_trainable = sum(1 for label in labels[1:] if label != IGNORE_INDEX)
-    return {"input_ids": input_ids, "labels": labels, "num_trainable": num_trainable}
+    return {"input_ids": input_ids, "labels": labels, "num_tokens": num_tokens, "num_trainable": count_trainable(labels)}

@@ -1,4 +1,7 @@
+import itertools
 import json
+import logging
+from collections import Counter
 
 import datasets
 import pytest
@@ -46,7 +49,7 @@ def test_loads_text_files_as_language_modelling(tmp_path):
 def test_numbers_in_a_text_column_are_an_error(tmp_path):
     path = tmp_path / "numbers.csv"
     path.write_text("prompt,completion\nWhat is 1 + 1?,2\n")
-    with pytest.raises(ValueError, match="Expected text, got a int value 2"):
+    with pytest.raises(ValueError, match=r"numbers.csv line 2: 'completion': expected text, got a int value 2"):
         _setup(dataset=str(path))
 
 
@@ -125,3 +128,126 @@ def test_embedded_dataloader_batches():
     batch = next(iter(dm.train_dataloader()))
     assert batch["input_ids"].shape[0] == 4 and batch["input_ids"].shape[1] % 16 == 0
     assert torch.all((batch["labels"] == -100) | (batch["labels"] == batch["input_ids"]))
+
+
+# --- every token accounted for, through the datamodule (issue 13, point 1) -----------------------------------------
+
+MAX_LENGTH = 64
+
+
+def text_rows(count: int = 60, seed: int = 0) -> list[dict[str, str]]:
+    """Text examples of 5 to 400 words: most are several times longer than MAX_LENGTH tokens."""
+    import random
+    import string
+
+    rng = random.Random(seed)
+    words = ["".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 8))) for _ in range(300)]
+    return [{"text": " ".join(rng.choice(words) for _ in range(rng.randint(5, 400)))} for _ in range(count)]
+
+
+def reference_ids(tokenizer, rows):
+    """What each text example tokenizes to, whole: its tokens, then eos (the embedded tokenizer adds no BOS)."""
+    return [tokenizer(row["text"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for row in rows]
+
+
+def documents(dataset):
+    """Every document of every packed row, as a tuple of token ids."""
+    found = []
+    for ids, lengths in zip(dataset["input_ids"], dataset["seq_lengths"]):
+        bounds = [0, *itertools.accumulate(lengths)]
+        found += [tuple(ids[a:b]) for a, b in itertools.pairwise(bounds)]
+    return found
+
+
+@pytest.mark.parametrize("strategy", [None, "bfd", "bfd_split", "wrapped"])
+def test_every_token_is_accounted_for_with_examples_longer_than_max_length(tokenizer, caplog, strategy):
+    rows = text_rows()
+    examples = reference_ids(tokenizer, rows)
+    total = sum(map(len, examples))
+    overflow = sum(max(len(ids) - MAX_LENGTH, 0) for ids in examples)
+    assert max(map(len, examples)) > 10 * MAX_LENGTH and overflow > total / 2
+    with caplog.at_level(logging.INFO):
+        dm = _setup(
+            dataset=datasets.Dataset.from_list(rows), max_length=MAX_LENGTH, packing=strategy is not None,
+            packing_strategy=strategy or "bfd",
+        )
+    counts = dm.token_counts["train"]
+    assert (counts.examples, counts.tokens, counts.dropped_examples) == (len(rows), total, 0)
+    packed = dm.train_dataset["input_ids"]
+    assert max(map(len, packed)) <= MAX_LENGTH
+    if strategy in ("bfd_split", "wrapped"):
+        assert dm.num_truncated_tokens == 0 and counts.kept_tokens == total
+        assert Counter(t for row in packed for t in row) == Counter(t for ids in examples for t in ids)
+        if strategy == "wrapped":  # the examples, concatenated in order and cut into blocks
+            assert [t for row in packed for t in row] == [t for ids in examples for t in ids]
+        else:  # each example cut into consecutive chunks of MAX_LENGTH tokens, each its own document
+            chunks = [tuple(ids[i : i + MAX_LENGTH]) for ids in examples for i in range(0, len(ids), MAX_LENGTH)]
+            assert Counter(documents(dm.train_dataset)) == Counter(chunks)
+    else:
+        assert dm.num_truncated_tokens == overflow and counts.kept_tokens == total - overflow
+        heads = [tuple(ids[:MAX_LENGTH]) for ids in examples]
+        if strategy == "bfd":
+            assert Counter(documents(dm.train_dataset)) == Counter(heads)
+        else:
+            assert [tuple(ids) for ids in packed] == heads
+        assert f"{overflow:,} (" in caplog.text and f"truncated past max_length={MAX_LENGTH}" in caplog.text
+
+
+# --- clear errors naming the file and line (issue 13, point 6) -----------------------------------------------------
+
+
+def test_a_jsonl_line_that_is_not_json_is_named(tmp_path):
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"text": "a"}\n\n{"text": "b", oops}\n{"text": "c"}\n')
+    with pytest.raises(ValueError, match=r"broken.jsonl:3:15: not valid JSON \(Expecting property name"):
+        _setup(dataset=str(path))
+    with pytest.raises(ValueError, match=r"broken.jsonl:3:15: not valid JSON"):
+        list(_setup(dataset=str(path), streaming=True, buffer_size=1).train_dataset)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_row_missing_a_column_is_named(tmp_path, streaming):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text('{"prompt": "What is 1 + 1?", "completion": " 2"}\n\n{"prompt": "What is 2 + 2?"}\n')
+    with pytest.raises(ValueError, match=r"pairs.jsonl line 3: the row has no 'completion' value"):
+        dm = _setup(dataset=str(path), streaming=streaming)
+        list(dm.train_dataset)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_message_without_role_is_named(tmp_path, streaming):
+    path = tmp_path / "chats.jsonl"
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+            {"messages": [{"content": "hi"}, {"role": "assistant", "content": "hello"}]}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(ValueError, match=r"chats.jsonl line 2: 'messages': message 0 has no 'role'"):
+        dm = _setup(dataset=str(path), streaming=streaming)
+        list(dm.train_dataset)
+
+
+def test_an_empty_dataset_after_filtering_names_the_file(tmp_path):
+    path = tmp_path / "long_prompts.csv"
+    datasets.Dataset.from_list([{"prompt": "a long prompt " * 20, "completion": " y"}]).to_csv(str(path), index=False)
+    with pytest.raises(ValueError, match=r"train dataset \(from .*long_prompts.csv\) is empty after filtering"):
+        _setup(dataset=str(path), max_length=8)
+
+
+def test_a_csv_row_and_a_missing_column_are_named(tmp_path):
+    path = tmp_path / "questions.csv"
+    path.write_text("question,answer\nWhat is 1 + 1?,2\n")
+    with pytest.raises(ValueError, match=r"train split \(from .*questions.csv\): Cannot tell the dataset format"):
+        _setup(dataset=str(path))
+
+
+def test_the_datamodule_imports_without_pyarrow_datasets_or_numba():
+    """GPU machines may lack them: they are imported when data is read, streamed or packed."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, lit_memtrain.datamodules.sft, lit_memtrain.datamodules.resumable;"
+        "print(sorted(m for m in ('datasets', 'pyarrow', 'numba') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

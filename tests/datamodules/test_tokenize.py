@@ -1,4 +1,5 @@
 import copy
+import warnings
 
 import pytest
 
@@ -89,3 +90,122 @@ def test_detect_format():
         detect_format(["question", "answer"])
     with pytest.raises(ValueError, match="needs column"):
         detect_format(["text"], "conversational")
+
+
+# --- special tokens and TRL parity (issue 13, point 2) ---------------------------------------------------------
+
+PARITY_EXAMPLES = {
+    "text": [
+        {"text": "The quick brown fox jumps over the lazy dog."},
+        {"text": "  Hello there, assistant!"},
+        {"text": "What is 2 + 3?<|eot_id|>"},  # already ends with Llama's eos
+        {"text": "Reverse the word abc: cba.<|im_end|>"},  # already ends with Qwen's eos
+    ],
+    "prompt_completion": [
+        {"prompt": "What is 2 + 3?", "completion": " It is 5."},
+        {"prompt": "Hel", "completion": "lo there"},  # tokens merge across the boundary
+        {"prompt": "Sort the letters of cab.", "completion": " They are abc.<|eot_id|>"},
+    ],
+    "conversational_prompt_completion": [
+        {"prompt": CONVERSATION[:1], "completion": CONVERSATION[1:2]},
+        {"prompt": CONVERSATION[:3], "completion": CONVERSATION[3:]},
+    ],
+    "conversational": [{"messages": CONVERSATION}, {"messages": CONVERSATION[:2]}],
+}
+
+
+def _trl_tokenized(tokenizer, rows, completion_only_loss, assistant_only_loss, tmp_path):
+    """TRL's own SFT preparation of ``rows`` (SFTTrainer._prepare_dataset, no packing or truncation)."""
+    trl = pytest.importorskip("trl")
+    from types import SimpleNamespace
+
+    from datasets import Dataset
+    from trl.trainer.sft_trainer import SFTTrainer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        args = trl.SFTConfig(
+            output_dir=str(tmp_path), max_length=None, report_to=[], bf16=False, use_cpu=True,
+            assistant_only_loss=assistant_only_loss,
+        )
+    trainer = SimpleNamespace(_tokenizer=tokenizer, completion_only_loss=completion_only_loss, chat_template=None)
+    return SFTTrainer._prepare_dataset(trainer, Dataset.from_list(rows), tokenizer, args, False, None, "train")
+
+
+@pytest.mark.parametrize("style", ["llama", "qwen"])
+@pytest.mark.parametrize("kind", list(PARITY_EXAMPLES))
+@pytest.mark.parametrize("masked", [True, False])
+def test_same_tokens_and_labels_as_trl(chat_tokenizers, tmp_path, style, kind, masked):
+    tokenizer = chat_tokenizers[style]
+    rows = PARITY_EXAMPLES[kind]
+    dataset_format = "conversational" if kind == "conversational" else ("text" if kind == "text" else "prompt_completion")
+    assistant_only = masked and kind == "conversational"
+    expected = _trl_tokenized(tokenizer, rows, completion_only_loss=masked, assistant_only_loss=assistant_only, tmp_path=tmp_path)
+    for row, theirs in zip(rows, expected):
+        ours = tokenize_example(
+            row, tokenizer, dataset_format, completion_only_loss=masked, assistant_only_loss=assistant_only
+        )
+        assert ours["input_ids"] == theirs["input_ids"]
+        assert ours["labels"] == theirs["labels"]
+
+
+def test_strings_start_with_the_bos_the_tokenizer_adds(chat_tokenizers):
+    llama, qwen = chat_tokenizers["llama"], chat_tokenizers["qwen"]
+    out = tokenize_example({"text": "Hello there"}, llama, "text")
+    assert out["input_ids"][0] == llama.bos_token_id and out["input_ids"][-1] == llama.eos_token_id
+    assert out["input_ids"].count(llama.bos_token_id) == 1
+    pair = tokenize_example({"prompt": "What is 2 + 3?", "completion": " It is 5."}, llama, "prompt_completion")
+    assert pair["input_ids"][0] == llama.bos_token_id and pair["labels"][0] == IGNORE_INDEX
+    assert tokenize_example({"text": "Hello there"}, qwen, "text")["input_ids"] == _ids(qwen, "Hello there") + [
+        qwen.eos_token_id
+    ]
+
+
+def test_no_double_bos_when_the_template_or_the_text_already_has_one(chat_tokenizers):
+    llama = chat_tokenizers["llama"]
+    bos = llama.bos_token_id
+    chat = tokenize_example({"messages": CONVERSATION}, llama, "conversational")
+    assert chat["input_ids"][0] == bos and chat["input_ids"].count(bos) == 1
+    rendered = llama.apply_chat_template(CONVERSATION, tokenize=False)
+    assert rendered.startswith("<|begin_of_text|>")
+    as_text = tokenize_example({"text": rendered}, llama, "text")
+    assert as_text["input_ids"][:2] != [bos, bos] and as_text["input_ids"].count(bos) == 1
+    pair = tokenize_example(
+        {"prompt": llama.apply_chat_template(CONVERSATION[:1], tokenize=False, add_generation_prompt=True),
+         "completion": "5<|eot_id|>"},
+        llama,
+        "prompt_completion",
+    )
+    assert pair["input_ids"].count(bos) == 1 and pair["input_ids"] == chat["input_ids"][: len(pair["input_ids"])]
+
+
+@pytest.mark.parametrize(
+    "marks",
+    [("{%- generation %}", "{%- endgeneration %}"), ("{% generation -%}", "{% endgeneration -%}"), ("{%- generation -%}", "{%- endgeneration -%}")],
+)
+def test_generation_mark_variants_are_recognised(tokenizer, marks):
+    from lit_memtrain.datamodules.tokenize import has_generation_marks
+
+    variant = copy.deepcopy(tokenizer)
+    variant.chat_template = tokenizer.chat_template.replace("{% generation %}", marks[0]).replace(
+        "{% endgeneration %}", marks[1]
+    )
+    assert has_generation_marks(variant.chat_template)
+    out = tokenize_example({"messages": CONVERSATION}, variant, "conversational", 100)
+    # The marks give the assistant content and its end token only; the prefix method would add the newline.
+    assert "".join(_trained_text(variant, out)) == "5<|im_end|>cba<|im_end|>"
+    assert not has_generation_marks("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+
+
+@pytest.mark.parametrize(
+    ("example", "dataset_format", "message"),
+    [
+        ({"text": None}, "text", "the row has no 'text' value"),
+        ({"prompt": "q", "completion": None}, "prompt_completion", "the row has no 'completion' value"),
+        ({"messages": [{"role": "user", "content": "hi"}, {"content": "x"}]}, "conversational", "message 1 has no 'role'"),
+        ({"messages": [{"role": "user"}]}, "conversational", "message 0 has no 'content'"),
+    ],
+)
+def test_missing_fields_are_named(tokenizer, example, dataset_format, message):
+    with pytest.raises(ValueError, match=message):
+        tokenize_example(example, tokenizer, dataset_format)

@@ -79,6 +79,12 @@ def test_lengths_profiles_the_fit_data_and_writes_a_histogram(tmp_path, capsys):
     assert "16      " in out and histogram.stat().st_size > 0
 
 
+def test_lengths_profiles_a_sample_of_a_stream(tmp_path, capsys):
+    histogram = tmp_path / "lengths.png"
+    main(["lengths", "--config", QUICKSTART, "--data.streaming=true", "--sample=300", f"--histogram={histogram}"])
+    assert re.search(r"^300 examples, ", capsys.readouterr().out, re.MULTILINE)
+
+
 OFFLINE_MODEL = ["--model.model=null", "--model.preset=tiny-qwen3", "--data.tokenizer=lit-memtrain/embedded"]
 
 

@@ -1,0 +1,147 @@
+"""A DataLoader that a resumed run continues exactly where the checkpoint left it, mid-epoch.
+
+Why: a plain DataLoader has no position, so Lightning restarts a resumed run at the beginning of the
+epoch (a long-context epoch can take days). Lightning saves and restores any training dataloader that has
+``state_dict`` / ``load_state_dict``; this one has them, and its position is what was *trained on*, not
+what was fetched: Lightning fetches one batch ahead of the step for iterables without a length, so the
+position is taken from Lightning's own count of processed batches when the loader runs under a trainer.
+
+- Map-style data: a :class:`ResumableSampler`, a ``DistributedSampler`` (each data-parallel rank its own
+  share, so Lightning leaves it in place) whose order is a function of ``(seed, epoch)`` only. Resuming
+  sets the epoch and skips the indices of the batches already trained on, without loading them.
+- A :class:`~lit_memtrain.datamodules.streaming.PackedStream`: the stream's own position after each
+  batch is kept for the last few batches; under DDP every rank's position is gathered into the state.
+
+Usage::
+
+    loader = ResumableDataLoader(dataset, batch_size=8, sampler=ResumableSampler(dataset, seed=0))
+    state = loader.state_dict()   # after some batches
+    loader.load_state_dict(state)  # the next iteration continues from there
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+_POSITIONS_KEPT = 64
+
+
+class ResumableSampler(DistributedSampler):
+    """Indices of one data-parallel rank, in an order fixed by ``(seed, epoch)``, able to start mid-epoch.
+
+    ``start`` skips that many of this rank's indices at the next iteration only (the loader sets it when
+    resuming). Defaults to one replica, so it runs without ``torch.distributed``.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        num_replicas: int = 1,
+        rank: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        self.start = 0
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(super().__iter__())
+        start, self.start = self.start, 0
+        return iter(indices[start:])
+
+
+class ResumableDataLoader(DataLoader):
+    """A DataLoader with ``state_dict`` / ``load_state_dict`` that Lightning saves in checkpoints.
+
+    Args:
+        consumed_batches: returns how many batches of the current epoch were trained on (the datamodule
+            passes Lightning's progress counter); without it, the batches yielded so far.
+        Other arguments are the DataLoader's. Map-style data needs a :class:`ResumableSampler`; a
+        :class:`PackedStream` needs ``num_workers=0``.
+    """
+
+    def __init__(self, *args: Any, consumed_batches: Callable[[], int] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        from lit_memtrain.datamodules.streaming import PackedStream  # pyarrow: imported when a loader is made
+
+        self.consumed_batches = consumed_batches
+        self._streaming = streaming = isinstance(self.dataset, PackedStream)
+        if not streaming and not isinstance(self.sampler, ResumableSampler):
+            raise ValueError("ResumableDataLoader needs a ResumableSampler for map-style data.")
+        if streaming and self.num_workers:
+            raise ValueError("A PackedStream is read in order by the training process: use num_workers=0.")
+        self._pending: dict[str, Any] | None = None
+        self._epoch = 0
+        self._yielded = 0
+        self._positions: dict[int, Any] = {}
+
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the batches trained on so far: ``{"epoch", "batches"}`` (and ``"stream"``)."""
+        consumed = self.consumed_batches() if self.consumed_batches is not None else self._yielded
+        if not self._streaming:
+            if consumed >= len(self):
+                return {"epoch": self._epoch + 1, "batches": 0}
+            return {"epoch": self._epoch, "batches": consumed}
+        if consumed not in self._positions:
+            raise RuntimeError(
+                f"The stream position after batch {consumed} is not known (kept: {sorted(self._positions)}); "
+                "a checkpoint must be taken while the training dataloader is being iterated."
+            )
+        state = {"epoch": self._epoch, "batches": consumed, "stream": self._positions[consumed]}
+        if _world_size() > 1:  # each rank reads its own shard of the stream: keep every rank's position
+            states: list[Any] = [None] * _world_size()
+            torch.distributed.all_gather_object(states, state)
+            return {"ranks": states}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Make the next iteration continue from ``state`` (taken by :meth:`state_dict`)."""
+        if "ranks" in state:
+            ranks = state["ranks"]
+            if len(ranks) != _world_size():
+                raise ValueError(
+                    f"The checkpoint holds the stream positions of {len(ranks)} ranks but this run has "
+                    f"{_world_size()}: resume a streamed run with the same number of processes."
+                )
+            state = ranks[torch.distributed.get_rank()]
+        if self._streaming != ("stream" in state):
+            kind = "a stream" if "stream" in state else "map-style data"
+            raise ValueError(f"The dataloader state was saved for {kind}, which this run does not read.")
+        self._pending = dict(state)
+
+    def __iter__(self) -> Iterator[Any]:
+        state, self._pending = self._pending, None
+        if state is None:
+            epoch, batches = getattr(self.sampler, "epoch", 0), 0
+            stream_position = None
+        else:
+            epoch, batches, stream_position = state["epoch"], state["batches"], state.get("stream")
+            if self._streaming:
+                if stream_position is not None:
+                    self.dataset.load_state_dict(stream_position)
+            else:
+                self.sampler.set_epoch(epoch)
+                self.sampler.start = batches * self.batch_size
+        self._epoch, self._yielded = epoch, batches
+        self._positions = {batches: stream_position}
+        return self._track(super().__iter__())
+
+    def _track(self, batches: Iterator[Any]) -> Iterator[Any]:
+        for batch in batches:
+            self._yielded += 1
+            if self._streaming:
+                self._positions[self._yielded] = self.dataset.current_position
+                self._positions.pop(self._yielded - _POSITIONS_KEPT, None)
+            yield batch
+
+
+def _world_size() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return 1

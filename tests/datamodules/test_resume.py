@@ -1,0 +1,181 @@
+"""Exact resume (issue 13, point 4): a run stopped after N steps and resumed from its checkpoint trains on the
+batches an uninterrupted run would have, at steps N+1..N+5, for in-memory and streamed data, one process
+and two (DDP), and on the path where Lightning builds the dataloader before restoring (Lightning #20550).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import SingleDeviceStrategy
+
+from lit_memtrain.datamodules.resumable import ResumableDataLoader, ResumableSampler
+from lit_memtrain.datamodules.sft import SFTDataModule
+
+STOP = 9  # mid-epoch: in memory an epoch is 7 batches, so the resumed steps cross into a third epoch
+RESUMED = range(STOP + 1, STOP + 6)
+
+
+def fingerprint(batch: dict) -> str:
+    data = batch["input_ids"].numpy().tobytes() + batch["labels"].numpy().tobytes()
+    return hashlib.sha1(data).hexdigest()[:16]
+
+
+class BatchRecorder(LightningModule):
+    """Records a fingerprint of the batch of each step (one trained scalar, so steps are real)."""
+
+    def __init__(self, out: str | None = None) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(()))
+        self.out = out
+        self.fingerprints: dict[int, str] = {}
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        self.fingerprints[self.global_step + 1] = fingerprint(batch)
+        return self.weight * batch["input_ids"].float().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        self.trainer.estimated_stepping_batches  # as CausalLMModule does: with max_epochs set, this builds the loader
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def on_train_end(self) -> None:
+        if self.out:
+            Path(self.out.format(rank=self.global_rank)).write_text(json.dumps(self.fingerprints))
+
+
+class RestoreAfterSetup(SingleDeviceStrategy):
+    """Restores checkpoints after its setup, as FSDP and ModelParallelStrategy do."""
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+
+def text_corpus(path: Path, count: int = 26) -> Path:
+    rows = [{"text": f"example {i} " + "word " * (i % 11 + 2)} for i in range(count)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def datamodule(corpus: Path, streaming: bool) -> SFTDataModule:
+    if streaming:  # packed rows of 32 tokens, a window of 8 examples: the stream repeats several times
+        return SFTDataModule(dataset=str(corpus), max_length=32, batch_size=2, streaming=True, buffer_size=8,
+                             packing=True, packing_strategy="bfd_split")
+    return SFTDataModule(dataset=str(corpus), max_length=32, batch_size=4)
+
+
+def fit(tmp_path, corpus, streaming, max_steps, ckpt_path=None, checkpoint_every=None, strategy="auto",
+        devices=1, max_epochs=None, module=None):
+    callbacks = []
+    if checkpoint_every:
+        callbacks.append(ModelCheckpoint(tmp_path / "ckpt", "{step}", every_n_train_steps=checkpoint_every, save_top_k=-1))
+    module = module or BatchRecorder(str(tmp_path / f"steps-{max_steps}-{ckpt_path is not None}-{{rank}}.json"))
+    trainer = Trainer(
+        max_steps=max_steps, max_epochs=max_epochs, accelerator="cpu", devices=devices, strategy=strategy,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+        enable_checkpointing=bool(callbacks), limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=tmp_path,
+    )
+    trainer.fit(module, datamodule=datamodule(corpus, streaming), ckpt_path=ckpt_path)
+    return module
+
+
+def recorded(tmp_path, max_steps, resumed, rank=0):
+    path = tmp_path / f"steps-{max_steps}-{resumed}-{rank}.json"
+    return {int(step): value for step, value in json.loads(path.read_text()).items()}
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+@pytest.mark.parametrize("setup", ["default", "max_epochs", "restore_after_setup"])
+def test_a_resumed_run_trains_on_the_batches_of_an_uninterrupted_one(tmp_path, streaming, setup):
+    corpus = text_corpus(tmp_path / "corpus.jsonl")
+    options = {
+        "default": {},
+        "max_epochs": {"max_epochs": 100},  # estimated_stepping_batches builds the loader before the restore
+        "restore_after_setup": {"max_epochs": 100, "strategy": RestoreAfterSetup(torch.device("cpu"))},
+    }[setup]
+    fit(tmp_path, corpus, streaming, STOP + 5, checkpoint_every=STOP, **options)
+    reference = recorded(tmp_path, STOP + 5, False)
+    checkpoint = tmp_path / "ckpt" / f"step={STOP}.ckpt"
+    if setup == "restore_after_setup":
+        options["strategy"] = RestoreAfterSetup(torch.device("cpu"))
+    fit(tmp_path, corpus, streaming, STOP + 5, ckpt_path=checkpoint, **options)
+    resumed = recorded(tmp_path, STOP + 5, True)
+    assert sorted(resumed) == list(RESUMED)
+    assert [resumed[step] for step in RESUMED] == [reference[step] for step in RESUMED]
+    assert len(set(reference.values())) > 7  # the batches differ from step to step
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_resumed_ddp_run_trains_each_rank_on_its_own_batches(tmp_path, streaming):
+    corpus = text_corpus(tmp_path / "corpus.jsonl", count=52)
+    fit(tmp_path, corpus, streaming, STOP + 5, checkpoint_every=STOP, strategy="ddp_fork", devices=2)
+    checkpoint = tmp_path / "ckpt" / f"step={STOP}.ckpt"
+    fit(tmp_path, corpus, streaming, STOP + 5, ckpt_path=checkpoint, strategy="ddp_fork", devices=2)
+    reference = [recorded(tmp_path, STOP + 5, False, rank) for rank in (0, 1)]
+    resumed = [recorded(tmp_path, STOP + 5, True, rank) for rank in (0, 1)]
+    for rank in (0, 1):
+        assert [resumed[rank][step] for step in RESUMED] == [reference[rank][step] for step in RESUMED]
+    assert not set(reference[0].values()) & set(reference[1].values())  # each rank reads its own share
+
+
+def test_the_causal_lm_module_resumes_on_the_same_batches(tmp_path):
+    from lit_memtrain.module import CausalLMModule
+
+    class Recording(CausalLMModule):
+        def on_train_batch_start(self, batch, batch_idx):
+            super().on_train_batch_start(batch, batch_idx)
+            self.fingerprints[self.global_step + 1] = fingerprint(batch)
+
+    def module():
+        torch.manual_seed(0)
+        recording = Recording(preset="tiny-qwen3", tokenizer="lit-memtrain/embedded")
+        recording.fingerprints = {}
+        return recording
+
+    corpus = text_corpus(tmp_path / "corpus.jsonl")
+    reference = fit(tmp_path, corpus, False, STOP + 5, checkpoint_every=STOP, module=module()).fingerprints
+    resumed = fit(tmp_path, corpus, False, STOP + 5, ckpt_path=tmp_path / "ckpt" / f"step={STOP}.ckpt",
+                  module=module()).fingerprints
+    assert sorted(resumed) == list(RESUMED)
+    assert [resumed[step] for step in RESUMED] == [reference[step] for step in RESUMED]
+
+
+def test_the_loader_state_is_the_position_after_the_batches_trained_on():
+    data = datasets.Dataset.from_dict({"input_ids": [[i] for i in range(10)]})
+    loader = ResumableDataLoader(data, batch_size=3, sampler=ResumableSampler(data, seed=1), collate_fn=lambda rows: rows)
+    epoch = [batch for batch in loader]
+    iterator = iter(loader)
+    next(iterator)
+    state = loader.state_dict()
+    assert state == {"epoch": 0, "batches": 1}
+    resumed = ResumableDataLoader(data, batch_size=3, sampler=ResumableSampler(data, seed=1), collate_fn=lambda rows: rows)
+    resumed.load_state_dict(state)
+    assert [batch for batch in resumed] == epoch[1:] and len(resumed) == 4
+    list(iterator)
+    assert loader.state_dict() == {"epoch": 1, "batches": 0}  # a finished epoch resumes at the next one
+    loader.load_state_dict({"epoch": 1, "batches": 0})
+    assert [batch for batch in loader] != epoch  # each epoch has its own order
+    with pytest.raises(ValueError, match="saved for a stream"):
+        loader.load_state_dict({"epoch": 0, "batches": 1, "stream": None})
+
+
+def test_worker_processes_start_at_the_resumed_batch():
+    data = datasets.Dataset.from_dict({"input_ids": [[i] for i in range(10)]})
+
+    def loader():
+        sampler = ResumableSampler(data, seed=1)
+        return ResumableDataLoader(data, batch_size=3, sampler=sampler, collate_fn=lambda rows: rows,
+                                   num_workers=1, persistent_workers=True)
+
+    epoch = list(loader())
+    resumed = loader()
+    resumed.load_state_dict({"epoch": 0, "batches": 2})
+    assert list(resumed) == epoch[2:]
+    assert list(resumed) == epoch  # the skip applies once: the next iteration (same workers) starts at the top
