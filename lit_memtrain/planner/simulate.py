@@ -21,6 +21,10 @@ How, and what it assumes:
 - Every target is trainable (the worst case): data-dependent selections such as ``nonzero`` select every
   element, since fake tensors have no values.
 - Autocast (``bf16-mixed``) follows CUDA's policy on the stand-in device (:mod:`lit_memtrain.planner.autocast`).
+- Operators that have their own kernel on CUDA but a composite fallback elsewhere (``silu_backward``: one
+  fused kernel on CUDA, five element-wise ops with their intermediates in the fallback) are given a kernel
+  on the stand-in device too, so they run as one operator, as on CUDA, instead of as their fallback's steps
+  (that fallback adds three ``L x I`` bf16 tensors to each MLP backward: 5 GiB for Qwen3-4B at 96k tokens).
 - A tiled MLP's tiles after the second are identical repeats of it (same sizes, nothing carried from one to
   the next but buffers allocated by the first two), so only the first two and the last (possibly shorter)
   are simulated: the peak is exactly that of all tiles, at a small fraction of the operations (a 36-layer
@@ -138,6 +142,7 @@ def stand_in_device() -> torch.device:
             f"and the simulation needs it as its stand-in device {STAND_IN_DEVICE!r}. Run it in another process."
         )
     register_stand_in_autocast(STAND_IN_DEVICE)
+    _register_fused_kernels()
     device = torch.device(STAND_IN_DEVICE, 0)
     # The device's autograd thread drops each backward's graph just after waking the caller, and the graph
     # holds Python objects (dispatch modes, callbacks): if the interpreter is already shutting down, taking
@@ -153,6 +158,29 @@ def stand_in_device() -> torch.device:
             "lit_memtrain.planner.simulate.stand_in_device() before any backward)."
         ) from error
     return device
+
+
+_LIBRARIES: list[torch.library.Library] = []
+
+
+def _register_fused_kernels() -> None:
+    """Keep operators whole on the stand-in device where CUDA has a kernel and other devices a composite.
+
+    The CPU kernels stand for CUDA's (a CPU-only build registers no CUDA kernels). The kernel registered here
+    is never run: fake tensors are handled by ``FakeTensorMode`` before the device's kernel is reached; its
+    presence only stops the dispatcher from choosing the composite fallback.
+    """
+
+    def fake_tensors_only(*args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(f"The simulation's {STAND_IN_DEVICE!r} device runs fake tensors only.")
+
+    library = torch.library.Library("aten", "IMPL")
+    for name in torch._C._dispatch_get_all_op_names():
+        if name.startswith("aten::") and all(
+            torch._C._dispatch_has_kernel_for_dispatch_key(name, key) for key in ("CPU", "CompositeImplicitAutograd")
+        ):
+            library.impl(name.removeprefix("aten::"), fake_tensors_only, "PrivateUse1")
+    _LIBRARIES.append(library)
 
 
 def _flash_attention(
@@ -191,8 +219,22 @@ def fake_causal_lm(
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=SIMULATED_ATTENTION)
         if prepare is not None:
             model = prepare(model)
+    shared = _shared_parameters(model)
     model.to_empty(device=stand_in_device())
+    for names in shared:  # to_empty gives each module its own copy of a shared (tied) parameter
+        parameter = model.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, attribute = name.rpartition(".")
+            setattr(model.get_submodule(owner), attribute, parameter)
     return model.train()
+
+
+def _shared_parameters(model: torch.nn.Module) -> list[list[str]]:
+    """Names of the parameters that are one tensor (tied input and output embeddings), grouped."""
+    names_by_parameter: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names_by_parameter.setdefault(id(parameter), []).append(name)
+    return [names for names in names_by_parameter.values() if len(names) > 1]
 
 
 def _fixed_bytes(tracked: tuple[object, ...]) -> int:

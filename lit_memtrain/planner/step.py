@@ -126,7 +126,7 @@ def simulate_fit_step(settings: PlanSettings, max_length: int | None = None) -> 
         try:
             for callback in callbacks:
                 callback.on_fit_start(trainer, module)
-            optimizer = _steady_state_optimizer(module, notes)
+            optimizer = _steady_state_optimizer(module)
             batch = _batch(settings, max_length, device)
             buckets = _ddp_buckets(module, settings, notes)
             with tiles_simulated_once():
@@ -225,12 +225,11 @@ def _build_dtype(recipe: ModelRecipe, model_config: Any) -> torch.dtype:
     return torch.float32
 
 
-def _steady_state_optimizer(module: Any, notes: list[str]) -> torch.optim.Optimizer:
+def _steady_state_optimizer(module: Any) -> torch.optim.Optimizer:
     """The module's optimizer, fused as on CUDA, with its state and the previous step's gradients in place."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with warnings.catch_warnings():  # its advice on low-precision weights is about training, not memory
+        warnings.simplefilter("ignore")
         configured = module.configure_optimizers()
-    notes += sorted({str(warning.message) for warning in caught if "AdamW" in str(warning.message)})
     optimizer = configured["optimizer"] if isinstance(configured, dict) else configured
     from torch.distributed.tensor import DTensor
 
