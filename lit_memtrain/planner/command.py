@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     options, fit_args = parser.parse_known_args(argv)
     try:
         report = _plan(options, fit_args)
-    except (ValueError, TypeError, OSError) as error:
+    except (ValueError, TypeError, OSError, argparse.ArgumentError) as error:
         print(f"lit-memtrain plan: error: {error}", file=sys.stderr)
         return 2
     print(json.dumps(report.to_json(), indent=2) if options.json else report.to_text())
@@ -106,10 +106,7 @@ def _read_fit_arguments(fit_args: list[str]):
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
-        try:
-            return read_fit_config(fit_args)
-        except SystemExit as exit_:  # jsonargparse reports a bad argument and exits: keep our message and status
-            raise ValueError(f"the fit arguments {fit_args} could not be parsed (see above).") from exit_
+        return read_fit_config(fit_args)
 
 
 if __name__ == "__main__":

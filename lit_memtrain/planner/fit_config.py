@@ -13,9 +13,9 @@ from typing import Any
 
 from lit_memtrain.planner.settings import CallbackSpec, PlanSettings, StrategySpec, normalise_precision
 
-__all__ = ["read_fit_config", "settings_from_config", "strategy_spec"]
+__all__ = ["read_fit_config", "settings_from_config", "settings_from_trainer", "strategy_spec"]
 
-_SINGLE_PROCESS = ("single_device", "singledevicestrategy")
+_SINGLE_PROCESS = ("single_device", "singledevice", "singledevicestrategy")
 
 
 def read_fit_config(args: list[str]) -> PlanSettings:
@@ -107,3 +107,41 @@ def strategy_spec(strategy: Any, devices: Any = None, num_nodes: Any = None) -> 
     else:
         kind = "not_simulated"
     return StrategySpec(name=name, world_size=world_size, kind=kind)
+
+
+def settings_from_trainer(trainer: Any, module: Any, datamodule: Any) -> PlanSettings:
+    """Plan settings from a live Trainer, a ``CausalLMModule`` and a datamodule with ``max_length`` and
+    ``batch_size`` (``SFTDataModule``), before the model is built (what a callback's ``setup`` sees)."""
+    import dataclasses
+    import inspect
+
+    from lit_memtrain.module import CausalLMModule
+    from lit_memtrain.planner.settings import SIMULATED_CALLBACKS
+
+    accepted = set(inspect.signature(CausalLMModule.__init__).parameters)  # a subclass may add its own
+    hparams = {
+        name: dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+        for name, value in dict(module.hparams).items()
+        if name in accepted
+    }
+    callbacks = []
+    for callback in trainer.callbacks:
+        kind = type(callback)
+        init_args = {}
+        if isinstance(callback, SIMULATED_CALLBACKS):
+            names = [name for name in inspect.signature(kind.__init__).parameters if name != "self"]
+            init_args = {name: getattr(callback, name) for name in names if hasattr(callback, name)}
+        callbacks.append(CallbackSpec(f"{kind.__module__}.{kind.__qualname__}", init_args))
+    padding_free = bool(getattr(datamodule, "padding_free", False) or getattr(datamodule, "packing", False))
+    return PlanSettings(
+        module=hparams,
+        precision=normalise_precision(trainer.precision),
+        callbacks=tuple(callbacks),
+        max_length=int(datamodule.max_length),
+        batch_size=int(datamodule.batch_size),
+        padding_free=padding_free,
+        accumulate_grad_batches=int(trainer.accumulate_grad_batches),
+        strategy=strategy_spec(type(trainer.strategy).__name__.removesuffix("Strategy") or "auto",
+                               trainer.num_devices, trainer.num_nodes),  # fmt: skip
+        tokenizer=hparams.get("tokenizer"),
+    )

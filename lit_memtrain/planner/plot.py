@@ -17,6 +17,12 @@ __all__ = ["plot_lengths", "write_plot"]
 GIB = 2**30
 
 
+def _tokens(length: float) -> str:
+    if length >= 2**20:
+        return f"{length / 2**20:g}M"
+    return f"{length / 2**10:g}k" if length >= 2**10 else f"{length:g}"
+
+
 def plot_lengths(rows: list[ComparisonRow], configured: int) -> list[int]:
     """Lengths to simulate for every row: powers of two from 4k to twice the longest length that fits
     (or the configured length, if larger), at least five of them."""
@@ -42,6 +48,7 @@ def write_plot(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     figure, axes = plt.subplots(figsize=(9, 5.5))
     for row in rows:
@@ -55,10 +62,11 @@ def write_plot(
         if row.search is not None and row.search.max_length:
             longest = row.search.max_length
             axes.plot([longest], [points[longest] / GIB], marker="*", markersize=12, color=line.get_color())
-    axes.axhline(budget.gpu_memory / GIB, color="black", linewidth=1.5, label=f"GPU memory ({budget.gpu_memory / GIB:.0f} GiB)")
+    axes.axhline(budget.gpu_memory / GIB, color="black", linewidth=1.5, label=f"GPU memory ({budget.gpu_memory / GIB:.3g} GiB)")
     axes.axhline(budget.usable / GIB, color="black", linestyle="--", linewidth=1,
                  label=f"usable after a {budget.margin:.0%} margin")  # fmt: skip
     axes.set_xscale("log", base=2)
+    axes.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda length, _: _tokens(length)))
     axes.set_yscale("log")
     axes.set_xlabel("sequence length (tokens per row)")
     axes.set_ylabel("simulated peak device memory (GiB)")
