@@ -91,7 +91,9 @@ class MemoryPlanCheck(Callback):
             return None
         datamodule = trainer.datamodule
         if not all(hasattr(datamodule, name) for name in ("max_length", "batch_size")):
-            rank_zero_warn("MemoryPlanCheck needs a datamodule with max_length and batch_size (SFTDataModule): skipped.")
+            rank_zero_warn(
+                "MemoryPlanCheck needs a datamodule with max_length and batch_size (SFTDataModule): skipped."
+            )
             return None
         gpu_memory_gib = self.gpu_memory_gib
         device = trainer.strategy.root_device

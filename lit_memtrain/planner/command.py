@@ -35,7 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--margin", type=float, default=None,
                         help="fraction of the GPU memory kept free for the CUDA context, kernel workspaces and "
                              "fragmentation (default 0.1)")  # fmt: skip
-    parser.add_argument("--find-max-length", action="store_true", help="also find the longest data.max_length that fits")
+    parser.add_argument("--find-max-length", action="store_true",
+                        help="also find the longest data.max_length that fits")  # fmt: skip
     parser.add_argument("--compare", action="store_true",
                         help="one row per technique added in turn, with its peak and longest length")  # fmt: skip
     parser.add_argument("--plot", metavar="FILE.png", default=None,
@@ -65,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
 def _plan(options: argparse.Namespace, fit_args: list[str]):
     # The stand-in device must be registered before anything in this process runs autograd.
     from lit_memtrain.planner.simulate import stand_in_device
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecations, once per simulation
 
     stand_in_device()
     from lit_memtrain.planner.plan import DEFAULT_MARGIN, Planner, gpu_budget

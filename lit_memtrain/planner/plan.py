@@ -136,17 +136,16 @@ class Planner:
             "add": added,
             "peak_device_bytes": step.memory.device_peak,
             "fixed_bytes": fixed,
-            "fixed_fits": self.budget.fits(fixed),
         }
 
-    def comparison(self, lengths: bool = True) -> list[ComparisonRow]:
+    def comparison(self) -> list[ComparisonRow]:
         """One row per technique added in turn (:data:`~lit_memtrain.planner.techniques.COMPARISON`)."""
         rows = []
         for name, techniques, note in COMPARISON:
             row = ComparisonRow(name, techniques, note)
             if techniques is not None:
                 row.step = self.simulate(techniques)
-                row.search = self.longest_length(techniques) if lengths else None
+                row.search = self.longest_length(techniques)
             rows.append(row)
         return rows
 
@@ -160,6 +159,9 @@ def _add(techniques: Techniques, name: str) -> Techniques:
         return replace(techniques, chunked_loss=True)
     if name == "tiled_mlp":
         return replace(techniques, tiled_mlp=True)
+    if name == "full_checkpointing":
+        modes = {"selective": "full", "selective_offload": "offload"}
+        return replace(techniques, checkpointing=modes.get(techniques.checkpointing, techniques.checkpointing))
     if techniques.activation_offloading or (techniques.checkpointing or "").endswith("offload"):
         return techniques
     mode = "selective_offload" if techniques.checkpointing == "selective" else "offload"

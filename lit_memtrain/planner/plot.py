@@ -62,7 +62,8 @@ def write_plot(
         if row.search is not None and row.search.max_length:
             longest = row.search.max_length
             axes.plot([longest], [points[longest] / GIB], marker="*", markersize=12, color=line.get_color())
-    axes.axhline(budget.gpu_memory / GIB, color="black", linewidth=1.5, label=f"GPU memory ({budget.gpu_memory / GIB:.3g} GiB)")
+    gpu_label = f"GPU memory ({budget.gpu_memory / GIB:.3g} GiB)"
+    axes.axhline(budget.gpu_memory / GIB, color="black", linewidth=1.5, label=gpu_label)
     axes.axhline(budget.usable / GIB, color="black", linestyle="--", linewidth=1,
                  label=f"usable after a {budget.margin:.0%} margin")  # fmt: skip
     axes.set_xscale("log", base=2)

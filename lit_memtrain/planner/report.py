@@ -89,13 +89,15 @@ class PlanReport:
 
     def to_text(self) -> str:
         memory, settings = self.step.memory, self.settings
-        rows = f"1 row of {settings.batch_size} x {self.step.max_length:,}" if settings.padding_free else (
-            f"{settings.batch_size} row{'s' if settings.batch_size > 1 else ''} of {self.step.max_length:,}"
-        )
+        if settings.padding_free:
+            rows = f"{settings.batch_size} x {self.step.max_length:,} tokens in one padding-free row"
+        else:
+            plural = "s" if settings.batch_size > 1 else ""
+            rows = f"{settings.batch_size} row{plural} of {self.step.max_length:,} tokens"
         lines = [
             f"Model: {_model_name(settings)}, {_count(self.step.parameters)} parameters "
             f"({_count(self.step.trainable_parameters)} trainable), {self.step.layers} decoder layers",
-            f"Step: {rows} tokens{' (padding-free)' if settings.padding_free else ''}, {settings.precision}, "
+            f"Step: {rows}, {settings.precision}, "
             f"{settings.accumulate_grad_batches} micro-batch(es) per optimizer step, strategy {settings.strategy.name} "
             f"({settings.strategy.world_size} rank(s))",
             f"Techniques: {techniques_of(settings).describe()}",
@@ -104,7 +106,9 @@ class PlanReport:
         ]
         for kind, size in breakdown(self.step).items():
             lines.append(f"  {kind.replace('_', ' '):<17}{size / GIB:>10,.2f} GiB")
-        host = ", ".join(f"{kind.replace('_', ' ')} {size / GIB:,.2f}" for kind, size in memory.host_at_peak.items() if size)
+        host = ", ".join(
+            f"{kind.replace('_', ' ')} {size / GIB:,.2f}" for kind, size in memory.host_at_peak.items() if size
+        )
         lines.append(f"Peak host memory: {memory.host_peak / GIB:,.2f} GiB" + (f" ({host})" if host else ""))
         lines += ["", self._verdict()]
         if self.suggestion is not None:
@@ -122,13 +126,15 @@ class PlanReport:
 
     def _verdict(self) -> str:
         budget, peak = self.budget, self.step.memory.device_peak
+        usable, difference = budget.usable / GIB, abs(budget.usable - peak) / GIB
         header = (
-            f"GPU memory: {budget.gpu_memory / GIB:,.2f} GiB ({budget.source}); a margin of {budget.margin:.0%} is kept "
-            f"for the CUDA context, kernel workspaces and fragmentation: {budget.usable / GIB:,.2f} GiB usable."
+            f"GPU memory: {budget.gpu_memory / GIB:,.2f} GiB ({budget.source}); a margin of {budget.margin:.0%} is "
+            f"kept for the CUDA context, kernel workspaces and fragmentation: {usable:,.2f} GiB usable."
         )
         if self.fits:
-            return f"{header}\nFITS: {peak / GIB:,.2f} GiB of {budget.usable / GIB:,.2f} GiB usable ({(budget.usable - peak) / GIB:,.2f} GiB spare)."
-        return f"{header}\nDOES NOT FIT: {peak / GIB:,.2f} GiB needed, {budget.usable / GIB:,.2f} GiB usable ({(peak - budget.usable) / GIB:,.2f} GiB over)."
+            return f"{header}\nFITS: {peak / GIB:,.2f} GiB of {usable:,.2f} GiB usable ({difference:,.2f} GiB spare)."
+        needed = f"{peak / GIB:,.2f} GiB needed, {usable:,.2f} GiB usable ({difference:,.2f} GiB over)"
+        return f"{header}\nDOES NOT FIT: {needed}."
 
 
 def _count(number: int) -> str:
@@ -154,17 +160,25 @@ def _suggestion_text(suggestion: dict[str, Any], budget: Budget) -> str:
     peak = suggestion["peak_device_bytes"] / GIB
     if suggestion["fits"]:
         return f"To fit, add: {'; '.join(suggestion['add'])} (peak then {peak:,.2f} GiB)."
-    added = f" Even with {'; '.join(suggestion['add'])}," if suggestion["add"] else " With every technique on,"
-    text = f"{added} the peak is {peak:,.2f} GiB."
-    if not suggestion["fixed_fits"]:
-        text += (
-            f" Parameters, gradients and optimizer state alone take {suggestion['fixed_bytes'] / GIB:,.2f} GiB: train a "
-            "LoRA adapter (--model.lora.r=16), keep them in bf16 (precision bf16-true), or shard them / keep them in "
-            "host memory (FSDP2 with cpu_offload, issue 10)."
-        )
-    else:
-        text += " Lower data.max_length (--find-max-length gives the longest that fits) or split the sequence across GPUs (context parallelism, issue 11)."
-    return text.strip()
+    added = f"Even with {'; '.join(suggestion['add'])}," if suggestion["add"] else "With every technique on,"
+    fixed = suggestion["fixed_bytes"]
+    text = (
+        f"{added} the peak is {peak:,.2f} GiB, of which parameters, gradients and optimizer state take "
+        f"{fixed / GIB:,.2f} GiB."
+    )
+    state_options = (
+        "train a LoRA adapter (--model.lora.r=16), keep the weights in bf16 (--model.dtype=bfloat16), or shard them or "
+        "keep them in host memory (FSDP2 with cpu_offload, issue 10)"
+    )
+    length_options = (
+        "lower data.max_length (--find-max-length gives the longest that fits) or split the sequence across GPUs "
+        "(context parallelism, issue 11)"
+    )
+    if fixed > budget.usable:
+        return f"{text} They alone do not fit: {state_options}."
+    if fixed > budget.usable / 2:
+        return f"{text} To free most of that: {state_options}; or {length_options}."
+    return f"{text} {length_options[0].upper()}{length_options[1:]}."
 
 
 def _length_text(search: LengthSearch, settings: PlanSettings) -> str:
@@ -190,7 +204,8 @@ def _row_json(row: ComparisonRow, budget: Budget) -> dict[str, Any]:
 
 def _comparison_table(rows: list[ComparisonRow], budget: Budget, length: int) -> list[str]:
     lines = [
-        f"| technique (each row adds to the one above) | peak at {length:,} tokens | host | fits | longest max_length |",
+        f"| technique (each row adds to the one above) | peak at {length:,} tokens | host | fits | "
+        "longest max_length |",
         "|---|---|---|---|---|",
     ]
     for row in rows:

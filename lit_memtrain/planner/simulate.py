@@ -4,10 +4,11 @@ Why: the memory techniques are chosen by how much they save at sequence lengths 
 machine at hand (Qwen3-4B at 256k tokens needs hundreds of GB without them). ``FakeTensorMode`` runs the
 real model code on tensors that have shapes, dtypes and devices but no storage, and
 :class:`~lit_memtrain.planner.tracker.MemoryTracker` records the bytes alive on each device, by kind, at every
-operation, with the phase of the step (forward or backward of which decoder layer, loss, optimizer step). What runs is the real code path: the
-Hugging Face model, the techniques applied by the same functions the callbacks use
-(:func:`~lit_memtrain.checkpointing.apply_checkpointing`, :func:`~lit_memtrain.tiled_mlp.apply_tiled_mlp`),
-the losses of :mod:`lit_memtrain.loss`, autograd and AdamW.
+operation, with the phase of the step (forward or backward of which decoder layer, loss, optimizer step).
+What runs is the real code path: the Hugging Face model, the techniques applied by the same functions the
+callbacks use (:func:`~lit_memtrain.checkpointing.apply_checkpointing`,
+:func:`~lit_memtrain.tiled_mlp.apply_tiled_mlp`), the losses of :mod:`lit_memtrain.loss`, autograd and AdamW.
+:mod:`lit_memtrain.planner.step` runs a whole ``fit`` step the same way, through ``CausalLMModule``.
 
 How, and what it assumes:
 - The device is a stand-in accelerator ``gpu`` (PyTorch's Python-backed PrivateUse1 backend), so that
@@ -302,6 +303,12 @@ def step_phases(model: torch.nn.Module, tracker: MemoryTracker) -> Iterator[None
 
         return hook
 
+    def entering_after(where: str):
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            tracker.where = where
+
+        return hook
+
     embeddings = model.get_input_embeddings()
     handles.append(embeddings.register_forward_pre_hook(entering("embeddings")))
     handles.append(embeddings.register_forward_hook(leaving("embeddings", "embeddings")))
@@ -309,7 +316,7 @@ def step_phases(model: torch.nn.Module, tracker: MemoryTracker) -> Iterator[None
         name = f"decoder layer {index}"
         handles.append(layer.register_forward_pre_hook(entering(name)))
         handles.append(layer.register_forward_hook(leaving(name, name)))
-    handles.append(layers[-1].register_forward_hook(lambda *_: setattr(tracker, "where", "final norm, LM head and loss")))
+    handles.append(layers[-1].register_forward_hook(entering_after("final norm, LM head and loss")))
     try:
         yield
     finally:

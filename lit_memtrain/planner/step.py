@@ -309,8 +309,9 @@ def _attention_notes(settings: PlanSettings, max_length: int, heads: int) -> lis
     square = rows * row * row
     if name == "eager":
         return [
-            f"attn_implementation='eager' materialises heads x L x L attention scores: {heads * square * 4 / 2**30:,.1f} "
-            f"GiB per layer in fp32 at {row:,} tokens, not included. Use sdpa or flash attention."
+            f"attn_implementation='eager' materialises heads x L x L attention scores: "
+            f"{heads * square * 4 / 2**30:,.1f} GiB per layer in fp32 at {row:,} tokens, not included. Use sdpa or "
+            "flash attention."
         ]
     if name == "sdpa" and settings.padding_free:
         return [

@@ -108,4 +108,6 @@ SUGGESTIONS: list[tuple[str, str]] = [
     ("chunked_loss", "the chunked loss (model.loss_type: chunked)"),
     ("tiled_mlp", "tiled MLPs (callback lit_memtrain.callbacks.TiledMLP)"),
     ("offload", "offloaded checkpoints (GradientCheckpointing with init_args offload: true)"),
+    ("full_checkpointing",
+     "full instead of selective checkpointing (GradientCheckpointing with init_args selective: false)"),
 ]

@@ -52,7 +52,8 @@ def test_switching_techniques_keeps_the_rest_of_the_configuration():
         ("ddp_fork", "0,1", 2, ("ddp_fork", 4, "ddp")),
         ({"class_path": "lightning.pytorch.strategies.DDPStrategy"}, [0, 1], None, ("DDPStrategy", 2, "ddp")),
         ("fsdp", 8, None, ("fsdp", 8, "not_simulated")),
-        ({"class_path": "lightning.pytorch.strategies.ModelParallelStrategy"}, 2, None, ("ModelParallelStrategy", 2, "not_simulated")),
+        ({"class_path": "lightning.pytorch.strategies.ModelParallelStrategy"}, 2, None,
+         ("ModelParallelStrategy", 2, "not_simulated")),
     ],
 )  # fmt: skip
 def test_strategies(strategy, devices, num_nodes, expected):

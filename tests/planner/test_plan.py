@@ -192,7 +192,8 @@ BAD_INPUT = [
     (["--model.preset=null"], "The configuration has no model: set model.model"),
     (["--data.max_length=0"], "data.max_length must be at least 1 token, got 0."),
     (["--data.max_lenght=5"], "unrecognized arguments: --data.max_lenght=5"),
-    (["--model.preset=null", "--model.model=/nonexistent/model"], "Cannot read the config of model='/nonexistent/model'"),
+    (["--model.preset=null", "--model.model=/nonexistent/model"],
+     "Cannot read the config of model='/nonexistent/model'"),
     (["--trainer.precision=transformer-engine"], "The planner cannot simulate trainer.precision='transformer-engine'"),
 ]  # fmt: skip
 
