@@ -179,13 +179,33 @@ def test_cli_json_compare_and_plot(tmp_path: Path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 20_000
 
 
-def test_cli_text_says_what_to_add_when_it_does_not_fit():
-    result = _plan(*TINY, "--data.max_length=8192", "--model.loss_type=nll", "--trainer.callbacks=[]",
+def test_cli_plans_a_local_config_directory_and_says_what_to_add(tmp_path: Path):
+    """A model given as a directory with only a config.json (no weights) plans like the preset it was made from."""
+    from lit_memtrain.presets import build_config
+
+    overrides = {"vocab_size": 512, "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
+    build_config("tiny-qwen3", overrides).save_pretrained(tmp_path)
+    result = _plan("--config", "configs/quickstart.yaml", "--model.preset=null", f"--model.model={tmp_path}",
+                   "--data.batch_size=1", "--data.max_length=8192", "--model.loss_type=nll", "--trainer.callbacks=[]",
                    "--gpu-memory=0.07", "--trainer.strategy=fsdp")  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     text = result.stdout
+    assert f"Model: {tmp_path}, 0.11M parameters" in text
     assert "DOES NOT FIT" in text and "To fit, add: gradient checkpointing" in text
     assert "trainer.strategy='fsdp' shards the model or the sequence" in text
+
+
+def test_planning_from_settings_needs_neither_jsonargparse_nor_datasets():
+    """What MemoryPlanCheck runs on a GPU machine, which lacks jsonargparse, datasets and wandb."""
+    code = (
+        "import sys, lit_memtrain.planner.command, lit_memtrain.planner.plan, lit_memtrain.planner.step, "
+        "lit_memtrain.planner.report, lit_memtrain.planner.plot;"
+        "print(sorted(m for m in ('datasets', 'wandb', 'jsonargparse') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
 
 
 BAD_INPUT = [
