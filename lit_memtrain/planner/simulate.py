@@ -26,10 +26,12 @@ How, and what it assumes:
   fused kernel on CUDA, five element-wise ops with their intermediates in the fallback) are given a kernel
   on the stand-in device too, so they run as one operator, as on CUDA, instead of as their fallback's steps
   (that fallback adds three ``L x I`` bf16 tensors to each MLP backward: 5 GiB for Qwen3-4B at 96k tokens).
-- A tiled MLP's tiles after the second are identical repeats of it (same sizes, nothing carried from one to
-  the next but buffers allocated by the first two), so only the first two and the last (possibly shorter)
-  are simulated: the peak is exactly that of all tiles, at a small fraction of the operations (a 36-layer
-  model at 1M tokens runs ~9,000 tiles otherwise, most of a simulation's time).
+- A tiled MLP's tiles from the third on repeat the third exactly: the same sizes, and the same state carried
+  in from the tile before (the first tile's gradients become the accumulators, the second adds into them, and
+  from the third on each tile still holds the previous tile's gradients while computing its own). So only the
+  first three tiles and the last (possibly shorter) are simulated: the peak is exactly that of all tiles, at a
+  small fraction of the operations (a 36-layer model at 1M tokens runs ~9,000 tiles otherwise, most of a
+  simulation's time).
 - Params, gradients and AdamW state are all in ``dtype`` (bf16 by default, as Lightning's
   ``precision="bf16-true"``); the optimizer state exists before the step, as in every step after the
   first. AdamW runs with ``foreach=True`` (PyTorch's default on CUDA).
@@ -326,15 +328,15 @@ def step_phases(model: torch.nn.Module, tracker: MemoryTracker) -> Iterator[None
 
 @contextlib.contextmanager
 def tiles_simulated_once() -> Iterator[None]:
-    """Run only the first two tiles and the last of each tiled MLP (see the module docstring for why the
+    """Run only the first three tiles and the last of each tiled MLP (see the module docstring for why the
     peak is exact). For fake tensors only: on real ones the other tiles' outputs would be left empty."""
     tile_bounds = lit_memtrain.tiled_mlp._tile_bounds
 
-    def first_two_and_last(length: int, num_tiles: int) -> list[tuple[int, int]]:
+    def first_three_and_last(length: int, num_tiles: int) -> list[tuple[int, int]]:
         bounds = tile_bounds(length, num_tiles)
-        return bounds if len(bounds) <= 3 else [bounds[0], bounds[1], bounds[-1]]
+        return bounds if len(bounds) <= 4 else [*bounds[:3], bounds[-1]]
 
-    lit_memtrain.tiled_mlp._tile_bounds = first_two_and_last
+    lit_memtrain.tiled_mlp._tile_bounds = first_three_and_last
     try:
         yield
     finally:
