@@ -33,9 +33,6 @@ def read_fit_config(args: list[str]) -> PlanSettings:
             super().add_arguments_to_parser(parser)
             parser.add_argument("--ckpt_path", type=str | None, default=None, help="ignored by the planner")
 
-        def _set_seed(self) -> None:  # seeding has no effect on memory, and its log line would mix with --json
-            pass
-
         def instantiate_classes(self) -> None:
             pass
 
