@@ -25,6 +25,7 @@ lit-memtrain subcommands of its own:
   generate   answer a prompt with an exported model (lit-memtrain generate --help)
   lengths    token-length profile and a recommended max_length (lit-memtrain lengths --help)
   export     merge a checkpoint's LoRA adapter and write a Hugging Face directory (lit-memtrain export --help)
+  plan       simulate a fit configuration's peak GPU memory, and the longest sequence that fits (lit-memtrain plan --help)
 """
 
 
@@ -125,7 +126,20 @@ def _lengths(argv: list[str]) -> None:
     print(f"histogram: {args.histogram}")
 
 
-SUBCOMMANDS: dict[str, Callable[[list[str]], None]] = {"generate": _generate, "export": _export, "lengths": _lengths}
+def _plan(argv: list[str]) -> None:
+    from lit_memtrain.planner.command import main as plan
+
+    status = plan(argv)
+    if status:
+        sys.exit(status)
+
+
+SUBCOMMANDS: dict[str, Callable[[list[str]], None]] = {
+    "generate": _generate,
+    "export": _export,
+    "lengths": _lengths,
+    "plan": _plan,
+}
 
 
 def main(argv: list[str] | None = None) -> None:

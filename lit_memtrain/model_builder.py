@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from lit_memtrain.lora import LoraSettings, check_quantization_available, merged_copy, quantization_config
 from lit_memtrain.presets import PRESETS, build_config
@@ -24,6 +24,7 @@ __all__ = [
     "DTYPES",
     "ModelRecipe",
     "build_causal_lm",
+    "causal_lm_config",
     "check_tokenizer_fits_model",
     "export_hf_directory",
     "reload_unquantized_base",
@@ -88,14 +89,34 @@ def build_causal_lm(recipe: ModelRecipe, tokenizer: PreTrainedTokenizerBase | No
             # Quantized weights load straight onto a GPU: this process's own, not always cuda:0 under DDP.
             init_kwargs.setdefault("device_map", {"": int(os.environ.get("LOCAL_RANK", 0))})
         return AutoModelForCausalLM.from_pretrained(recipe.model, dtype=dtype, **common, **init_kwargs)
+    model_config = causal_lm_config(recipe, tokenizer)
+    return AutoModelForCausalLM.from_config(model_config, dtype=torch.float32 if dtype == "auto" else dtype, **common)
+
+
+def causal_lm_config(
+    recipe: ModelRecipe, tokenizer: PreTrainedTokenizerBase | None = None, local_files_only: bool = False
+) -> PretrainedConfig:
+    """The config of the model ``build_causal_lm`` builds, without building it or reading any weights.
+
+    For ``recipe.model`` this reads ``config.json`` (a local directory, or the hub or, with
+    ``local_files_only``, only its cache) with ``model_init_kwargs`` applied as ``from_pretrained`` applies
+    them; for a preset or config dict it is the config ``build_causal_lm`` uses, vocabulary and special
+    tokens taken from ``tokenizer`` unless overridden.
+    """
+    if recipe.model:
+        return AutoConfig.from_pretrained(
+            recipe.model,
+            trust_remote_code=recipe.trust_remote_code,
+            local_files_only=local_files_only,
+            **recipe.model_init_kwargs,
+        )
     overrides = dict(recipe.config_overrides or {})
     if tokenizer is not None:
         overrides.setdefault("vocab_size", len(tokenizer))
         for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
             overrides.setdefault(name, getattr(tokenizer, name))
-    overrides.update(init_kwargs)
-    model_config = build_config(recipe.preset or recipe.config, overrides)
-    return AutoModelForCausalLM.from_config(model_config, dtype=torch.float32 if dtype == "auto" else dtype, **common)
+    overrides.update(recipe.model_init_kwargs)
+    return build_config(recipe.preset or recipe.config, overrides)
 
 
 def check_tokenizer_fits_model(

@@ -5,6 +5,7 @@ from lit_memtrain.callbacks.allocator_settings import AllocatorSettings
 from lit_memtrain.callbacks.gradient_checkpointing import GradientCheckpointing
 from lit_memtrain.callbacks.memory_bounded_throughput import MemoryBoundedThroughput
 from lit_memtrain.callbacks.memory_monitor import MemoryMonitor
+from lit_memtrain.callbacks.memory_plan_check import MemoryPlanCheck
 from lit_memtrain.callbacks.positional_loss import PositionalLoss
 from lit_memtrain.callbacks.tiled_mlp import TiledMLP
 
@@ -14,6 +15,7 @@ __all__ = [
     "GradientCheckpointing",
     "MemoryBoundedThroughput",
     "MemoryMonitor",
+    "MemoryPlanCheck",
     "PositionalLoss",
     "TiledMLP",
 ]

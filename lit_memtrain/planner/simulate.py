@@ -2,11 +2,13 @@
 
 Why: the memory techniques are chosen by how much they save at sequence lengths that do not fit on the
 machine at hand (Qwen3-4B at 256k tokens needs hundreds of GB without them). ``FakeTensorMode`` runs the
-real model code on tensors that have shapes, dtypes and devices but no storage, and ``MemTracker`` records
-the bytes alive on each device, by kind, at every operation. What runs is the real code path: the
-Hugging Face model, the techniques applied by the same functions the callbacks use
-(:func:`~lit_memtrain.checkpointing.apply_checkpointing`, :func:`~lit_memtrain.tiled_mlp.apply_tiled_mlp`),
-the losses of :mod:`lit_memtrain.loss`, autograd and AdamW.
+real model code on tensors that have shapes, dtypes and devices but no storage, and
+:class:`~lit_memtrain.planner.tracker.MemoryTracker` records the bytes alive on each device, by kind, at every
+operation, with the phase of the step (forward or backward of which decoder layer, loss, optimizer step).
+What runs is the real code path: the Hugging Face model, the techniques applied by the same functions the
+callbacks use (:func:`~lit_memtrain.checkpointing.apply_checkpointing`,
+:func:`~lit_memtrain.tiled_mlp.apply_tiled_mlp`), the losses of :mod:`lit_memtrain.loss`, autograd and AdamW.
+:mod:`lit_memtrain.planner.step` runs a whole ``fit`` step the same way, through ``CausalLMModule``.
 
 How, and what it assumes:
 - The device is a stand-in accelerator ``gpu`` (PyTorch's Python-backed PrivateUse1 backend), so that
@@ -19,6 +21,17 @@ How, and what it assumes:
   1,540 GiB at 64k tokens where a real step needs a few.
 - Every target is trainable (the worst case): data-dependent selections such as ``nonzero`` select every
   element, since fake tensors have no values.
+- Autocast (``bf16-mixed``) follows CUDA's policy on the stand-in device (:mod:`lit_memtrain.planner.autocast`).
+- Operators that have their own kernel on CUDA but a composite fallback elsewhere (``silu_backward``: one
+  fused kernel on CUDA, five element-wise ops with their intermediates in the fallback) are given a kernel
+  on the stand-in device too, so they run as one operator, as on CUDA, instead of as their fallback's steps
+  (that fallback adds three ``L x I`` bf16 tensors to each MLP backward: 5 GiB for Qwen3-4B at 96k tokens).
+- A tiled MLP's tiles from the third on repeat the third exactly: the same sizes, and the same state carried
+  in from the tile before (the first tile's gradients become the accumulators, the second adds into them, and
+  from the third on each tile still holds the previous tile's gradients while computing its own). So only the
+  first three tiles and the last (possibly shorter) are simulated: the peak is exactly that of all tiles, at a
+  small fraction of the operations (a 36-layer model at 1M tokens runs ~9,000 tiles otherwise, most of a
+  simulation's time).
 - Params, gradients and AdamW state are all in ``dtype`` (bf16 by default, as Lightning's
   ``precision="bf16-true"``); the optimizer state exists before the step, as in every step after the
   first. AdamW runs with ``foreach=True`` (PyTorch's default on CUDA).
@@ -29,44 +42,45 @@ How, and what it assumes:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
 import functools
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
 from torch._guards import active_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
-from torch.distributed._tools.mem_tracker import MemTracker
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.modeling_utils import AttentionInterface
 
+import lit_memtrain.tiled_mlp
 from lit_memtrain.checkpointing import apply_checkpointing
 from lit_memtrain.layers import find_decoder_layers
 from lit_memtrain.loss import chunked_cross_entropy, cross_entropy
+from lit_memtrain.planner.autocast import register_stand_in_autocast
+from lit_memtrain.planner.tracker import MemoryTracker
 from lit_memtrain.presets import build_config
 from lit_memtrain.tiled_mlp import apply_tiled_mlp
 
-__all__ = ["MemoryReport", "fake_causal_lm", "measure_peak", "simulate_step", "stand_in_device"]
+__all__ = [
+    "MemoryReport",
+    "fake_causal_lm",
+    "measure_peak",
+    "simulate_step",
+    "stand_in_device",
+    "step_phases",
+    "tiles_simulated_once",
+]
 
 STAND_IN_DEVICE = "gpu"
 SIMULATED_ATTENTION = "lit_memtrain_simulated"
 Checkpointing = Literal["full", "selective", "offload"]
 _CHECKPOINTING_MODES = ("full", "selective", "offload")
 _LOSSES = ("plain", "chunked")
-_KIND_NAMES = {
-    "Parameter": "parameters",
-    "Buffer": "buffers",
-    "Gradient": "gradients",
-    "Activation": "activations",
-    "Temp": "temporaries",
-    "Optstate": "optimizer_state",
-    "Other": "other",
-}
 
 
 @dataclass(frozen=True)
@@ -75,19 +89,23 @@ class MemoryReport:
 
     Attributes:
         device_peak: the most bytes alive on the accelerator at any moment.
-        host_peak: the same for host memory (offloaded checkpoints).
+        host_peak: the same for host memory (offloaded checkpoints and activations).
         device_at_peak: the device bytes alive at that moment, by kind (``parameters``, ``gradients``,
             ``optimizer_state``, ``activations``, ``temporaries``, ``buffers``, ``other`` = inputs).
-            Activations and temporaries may be misattributed to each other during recomputation; the
-            total is exact.
+            Activations are what forward allocates, temporaries what backward allocates (including the
+            recomputation of a checkpointed layer); the total is exact.
         fixed: the tracked modules' parameters, one gradient per trainable parameter, and the tracked
             optimizers' state, on the device: what a training step holds whatever the sequence length.
+        phase: when the device peak happens (``"backward, decoder layer 0"``, ``"optimizer step"``...).
+        host_at_peak: the host bytes alive at the host's own peak, by kind.
     """
 
     device_peak: int
     host_peak: int
     device_at_peak: dict[str, int]
     fixed: int
+    phase: str = ""
+    host_at_peak: dict[str, int] = field(default_factory=dict)
 
     @property
     def device_peak_gib(self) -> float:
@@ -126,6 +144,8 @@ def stand_in_device() -> torch.device:
             f"Cannot simulate memory: the PrivateUse1 device is already registered as {name!r} in this process, "
             f"and the simulation needs it as its stand-in device {STAND_IN_DEVICE!r}. Run it in another process."
         )
+    register_stand_in_autocast(STAND_IN_DEVICE)
+    _register_fused_kernels()
     device = torch.device(STAND_IN_DEVICE, 0)
     # The device's autograd thread drops each backward's graph just after waking the caller, and the graph
     # holds Python objects (dispatch modes, callbacks): if the interpreter is already shutting down, taking
@@ -141,6 +161,29 @@ def stand_in_device() -> torch.device:
             "lit_memtrain.planner.simulate.stand_in_device() before any backward)."
         ) from error
     return device
+
+
+_LIBRARIES: list[torch.library.Library] = []
+
+
+def _register_fused_kernels() -> None:
+    """Keep operators whole on the stand-in device where CUDA has a kernel and other devices a composite.
+
+    The CPU kernels stand for CUDA's (a CPU-only build registers no CUDA kernels). The kernel registered here
+    is never run: fake tensors are handled by ``FakeTensorMode`` before the device's kernel is reached; its
+    presence only stops the dispatcher from choosing the composite fallback.
+    """
+
+    def fake_tensors_only(*args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(f"The simulation's {STAND_IN_DEVICE!r} device runs fake tensors only.")
+
+    library = torch.library.Library("aten", "IMPL")
+    for name in torch._C._dispatch_get_all_op_names():
+        if name.startswith("aten::") and all(
+            torch._C._dispatch_has_kernel_for_dispatch_key(name, key) for key in ("CPU", "CompositeImplicitAutograd")
+        ):
+            library.impl(name.removeprefix("aten::"), fake_tensors_only, "PrivateUse1")
+    _LIBRARIES.append(library)
 
 
 def _flash_attention(
@@ -160,34 +203,16 @@ def _flash_attention(
     return output[0].transpose(1, 2), None
 
 
-class _EverythingSelected(TorchDispatchMode):
-    """Fake tensors have no values: a data-dependent selection (``nonzero``) selects every element."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if func is torch.ops.aten.nonzero.default:
-            (mask,) = args
-            return torch.empty((mask.numel(), mask.dim()), dtype=torch.long, device=mask.device)
-        return func(*args, **(kwargs or {}))
-
-
-class _DevicePeakTracker(MemTracker):
-    """``MemTracker`` keeping only the per-device peaks.
-
-    Its per-module peaks cost a pass over every module at every operation: minutes for a 36-layer model
-    with a tiled MLP. Nothing here uses them.
-    """
-
-    def _update_peak_stats(self, peak_state: Any) -> None:
-        for device, snapshot in self._curr_mem_snap.items():
-            if self._peak_mem.get(device, 0) < snapshot["Total"]:
-                self._peak_mem[device] = snapshot["Total"]
-                self._peak_mem_snap[device] = dict(snapshot)
-
-
-def fake_causal_lm(config: PretrainedConfig | str, dtype: torch.dtype = torch.bfloat16) -> PreTrainedModel:
+def fake_causal_lm(
+    config: PretrainedConfig | str,
+    dtype: torch.dtype = torch.bfloat16,
+    prepare: Callable[[PreTrainedModel], torch.nn.Module] | None = None,
+) -> torch.nn.Module:
     """A causal LM on the stand-in device with fake (storage-less) weights, in training mode.
 
     Call inside ``FakeTensorMode(allow_non_fake_inputs=True)``. Attention uses the simulated O(L) kernel.
+    ``prepare`` runs on the model while it is still on the meta device (a LoRA wrapper, a dtype conversion)
+    and returns the module to place on the stand-in device.
     """
     if not isinstance(active_fake_mode(), FakeTensorMode):
         raise RuntimeError("fake_causal_lm must be called inside FakeTensorMode(allow_non_fake_inputs=True).")
@@ -195,8 +220,24 @@ def fake_causal_lm(config: PretrainedConfig | str, dtype: torch.dtype = torch.bf
     AttentionInterface.register(SIMULATED_ATTENTION, _flash_attention)
     with unset_fake_temporarily(), torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=SIMULATED_ATTENTION)
+        if prepare is not None:
+            model = prepare(model)
+    shared = _shared_parameters(model)
     model.to_empty(device=stand_in_device())
+    for names in shared:  # to_empty gives each module its own copy of a shared (tied) parameter
+        parameter = model.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, attribute = name.rpartition(".")
+            setattr(model.get_submodule(owner), attribute, parameter)
     return model.train()
+
+
+def _shared_parameters(model: torch.nn.Module) -> list[list[str]]:
+    """Names of the parameters that are one tensor (tied input and output embeddings), grouped."""
+    names_by_parameter: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names_by_parameter.setdefault(id(parameter), []).append(name)
+    return [names for names in names_by_parameter.values() if len(names) > 1]
 
 
 def _fixed_bytes(tracked: tuple[object, ...]) -> int:
@@ -212,25 +253,94 @@ def _fixed_bytes(tracked: tuple[object, ...]) -> int:
 
 
 def measure_peak(
-    fn: Callable[[], object], *tracked: torch.nn.Module | torch.optim.Optimizer | Tensor
+    fn: Callable[[], object],
+    *tracked: torch.nn.Module | torch.optim.Optimizer | Tensor,
+    labelled: Iterable[tuple[Tensor, str]] = (),
+    model: torch.nn.Module | None = None,
 ) -> MemoryReport:
     """Run ``fn`` on fake tensors and return the peak memory it reaches.
 
     ``tracked`` are what exists before ``fn`` runs and counts towards its memory: modules (parameters),
-    optimizers (state), tensors (inputs). Data-dependent selections (``nonzero``) select every element.
+    optimizers (state), tensors (inputs); ``labelled`` are more such tensors with their kind (for example
+    ``"gradients"``). Data-dependent selections (``nonzero``) select every element.
+    With ``model`` (a causal LM), the phase of the peak names the decoder layer (see :func:`step_phases`).
     """
-    tracker = _DevicePeakTracker()
+    tracker = MemoryTracker()
     tracker.track_external(*tracked)
-    with tracker, _EverythingSelected():
+    for tensor, kind in labelled:
+        tracker.track_tensor(tensor, kind)
+    phases = step_phases(model, tracker) if model is not None else contextlib.nullcontext()
+    with phases, tracker:
         fn()
-    peaks = tracker.get_tracker_snapshot("peak")
-    device_snapshot = peaks.get(stand_in_device(), {})
+    device, host = stand_in_device(), torch.device("cpu")
     return MemoryReport(
-        device_peak=device_snapshot.get("Total", 0),
-        host_peak=peaks.get(torch.device("cpu"), {}).get("Total", 0),
-        device_at_peak={_KIND_NAMES[kind.value]: size for kind, size in device_snapshot.items() if kind != "Total"},
+        device_peak=tracker.peak.get(device, 0),
+        host_peak=tracker.peak.get(host, 0),
+        device_at_peak=tracker.peak_breakdown.get(device, {}),
         fixed=_fixed_bytes(tracked),
+        phase=tracker.peak_phase.get(device, ""),
+        host_at_peak=tracker.peak_breakdown.get(host, {}),
     )
+
+
+@contextlib.contextmanager
+def step_phases(model: torch.nn.Module, tracker: MemoryTracker) -> Iterator[None]:
+    """Name where the step is in ``tracker.where``: which decoder layer runs (forward, or backward through
+    it), the embeddings, or the final norm, LM head and loss. Hooks only: nothing is allocated or kept."""
+    layers = find_decoder_layers(model)
+    handles = []
+
+    def entering(where: str):
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            tracker.where = where
+
+        return hook
+
+    def leaving(forward_next: str, backward_where: str):
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            tracker.where = forward_next
+            first = output[0] if isinstance(output, (tuple, list)) else output
+            if isinstance(first, Tensor) and first.requires_grad:
+                first.register_hook(lambda grad: setattr(tracker, "where", backward_where))
+
+        return hook
+
+    def entering_after(where: str):
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            tracker.where = where
+
+        return hook
+
+    embeddings = model.get_input_embeddings()
+    handles.append(embeddings.register_forward_pre_hook(entering("embeddings")))
+    handles.append(embeddings.register_forward_hook(leaving("embeddings", "embeddings")))
+    for index, layer in enumerate(layers):
+        name = f"decoder layer {index}"
+        handles.append(layer.register_forward_pre_hook(entering(name)))
+        handles.append(layer.register_forward_hook(leaving(name, name)))
+    handles.append(layers[-1].register_forward_hook(entering_after("final norm, LM head and loss")))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def tiles_simulated_once() -> Iterator[None]:
+    """Run only the first three tiles and the last of each tiled MLP (see the module docstring for why the
+    peak is exact). For fake tensors only: on real ones the other tiles' outputs would be left empty."""
+    tile_bounds = lit_memtrain.tiled_mlp._tile_bounds
+
+    def first_three_and_last(length: int, num_tiles: int) -> list[tuple[int, int]]:
+        bounds = tile_bounds(length, num_tiles)
+        return bounds if len(bounds) <= 4 else [*bounds[:3], bounds[-1]]
+
+    lit_memtrain.tiled_mlp._tile_bounds = first_three_and_last
+    try:
+        yield
+    finally:
+        lit_memtrain.tiled_mlp._tile_bounds = tile_bounds
 
 
 def _step_loss(model: PreTrainedModel, input_ids: Tensor, position_ids: Tensor, targets: Tensor, loss: str) -> Tensor:
@@ -316,4 +426,7 @@ def simulate_step(
         position_ids = torch.arange(seq_len, device=device).expand(batch_size, seq_len)
         targets = torch.zeros((batch_size, seq_len), dtype=torch.long, device=device)
         tracked = (model, input_ids, position_ids, targets) + ((adamw,) if adamw is not None else ())
-        return measure_peak(lambda: _train_step(model, adamw, input_ids, position_ids, targets, loss), *tracked)
+        with tiles_simulated_once():
+            return measure_peak(
+                lambda: _train_step(model, adamw, input_ids, position_ids, targets, loss), *tracked, model=model
+            )

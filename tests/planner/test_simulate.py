@@ -23,7 +23,9 @@ import json
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from lit_memtrain.loss import chunked_cross_entropy, cross_entropy
-from lit_memtrain.planner.simulate import fake_causal_lm, measure_peak, simulate_step, stand_in_device
+from lit_memtrain.planner.simulate import (
+    fake_causal_lm, measure_peak, simulate_step, stand_in_device, tiles_simulated_once,
+)
 from lit_memtrain.presets import build_config
 from lit_memtrain.tiled_mlp import apply_tiled_mlp
 
@@ -45,6 +47,15 @@ with FakeTensorMode(allow_non_fake_inputs=True):
     results["plain_mlp"] = measure_peak(lambda: mlp(x).backward(grad), mlp, x, grad)
     apply_tiled_mlp(model.model.layers)
     results["tiled_mlp"] = measure_peak(lambda: mlp(x).backward(grad), mlp, x, grad)
+    calls = []
+    mlp.down_proj.register_forward_hook(lambda *args: calls.append(1))
+    with tiles_simulated_once():
+        results["tiled_mlp_once"] = measure_peak(lambda: mlp(x).backward(grad), mlp, x, grad)
+    results["tiles_simulated"] = len(calls)
+    gate = torch.empty(L, 9728, dtype=torch.bfloat16, device=device, requires_grad=True)
+    grad_gate = torch.empty(L, 9728, dtype=torch.bfloat16, device=device)
+    results["silu"] = measure_peak(lambda: torch.nn.functional.silu(gate).backward(grad_gate), gate, grad_gate)
+    results["tied"] = model.lm_head.weight is model.model.embed_tokens.weight
 for mode in ("full", "selective", "offload"):
     results[mode] = simulate_step(config, L, loss="chunked", checkpointing=mode)
 one_layer = build_config("qwen3-4b", {"num_hidden_layers": 1})
@@ -91,6 +102,22 @@ def test_tiled_mlp_cuts_the_mlp_transient_8x(simulated):
     tiled = _above_fixed(simulated["tiled_mlp"]) - required
     assert plain >= 4 * L * I * BF16  # gate, up, act(gate) and their product at least
     assert tiled * 8 <= plain
+
+
+def test_repeated_tiles_are_not_simulated_and_the_peak_is_the_same(simulated):
+    """64k tokens in tiles of about 2,560: 26 tiles; simulated: the first three and the last, in forward and
+    again in backward (8 passes through the MLP instead of 52), with exactly the peak of all 26."""
+    assert simulated["tiles_simulated"] == 8
+    assert simulated["tiled_mlp_once"]["device_peak"] == simulated["tiled_mlp"]["device_peak"]
+
+
+def test_silu_backward_is_one_operator_as_on_cuda(simulated):
+    """Input, incoming gradient, output and input gradient: four L x I tensors, no intermediates."""
+    assert simulated["silu"]["device_peak"] == 4 * L * I * BF16
+
+
+def test_tied_embeddings_stay_tied(simulated):
+    assert simulated["tied"]
 
 
 def test_selective_checkpointing_costs_one_attention_output_per_layer(simulated):

@@ -1,0 +1,141 @@
+"""Lightning callback that plans a fit's GPU memory before the model is built, and warns if it will not fit.
+
+Why a callback in ``setup`` and not a ``fit --plan-only`` flag: a LightningCLI run is configured by its
+classes, and a callback is how a run gains behaviour there (``trainer.callbacks`` in the YAML, or
+``--trainer.callbacks+=lit_memtrain.callbacks.MemoryPlanCheck``); it works the same for a Python script
+that builds its own ``Trainer``, and it checks every fit instead of only the ones a user remembers to dry-run
+(``lit-memtrain plan`` takes the same arguments and is the dry run). ``setup`` is the last hook before
+Lightning calls ``configure_model``, where :class:`~lit_memtrain.module.CausalLMModule` builds the model and
+loads the weights, so a configuration that cannot fit is caught before minutes of loading on a rented GPU.
+
+How: the module's arguments, the datamodule's ``max_length`` and ``batch_size``, the precision, the strategy and
+the memory callbacks are handed to ``lit-memtrain plan`` in a child process (a simulation must run in a
+process of its own, see :mod:`lit_memtrain.planner.simulate`). Only global rank 0 simulates; with
+``stop=True`` every rank learns the verdict and stops together.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from lit_memtrain.model_builder import ModelRecipe
+
+__all__ = ["MemoryPlanCheck"]
+
+_GIB = 2**30
+
+
+class MemoryPlanCheck(Callback):
+    """Simulate one training step of the fit before the model is built; warn (or stop) if it will not fit.
+
+    Needs a :class:`~lit_memtrain.module.CausalLMModule` (or a subclass) and a datamodule with ``max_length``
+    and ``batch_size`` such as :class:`~lit_memtrain.datamodules.sft.SFTDataModule`.
+
+    Args:
+        gpu_memory_gib: memory of one GPU to plan for. Default: the training device's on CUDA; elsewhere the
+            check is skipped unless this is given.
+        margin: fraction of the GPU memory kept free for the CUDA context, kernel workspaces and fragmentation.
+        stop: raise before the model is built when the plan does not fit, instead of warning.
+        timeout: seconds the simulation may take (large models at long lengths take tens of seconds).
+
+    Attributes:
+        plan: the plan as ``lit-memtrain plan --json`` prints it, once ``setup`` has run on rank 0.
+
+    Example:
+        >>> from lit_memtrain.callbacks.memory_plan_check import MemoryPlanCheck
+        >>> trainer = Trainer(callbacks=[GradientCheckpointing(), MemoryPlanCheck(stop=True)])  # doctest: +SKIP
+    """
+
+    def __init__(
+        self, gpu_memory_gib: float | None = None, margin: float = 0.1, stop: bool = False, timeout: float = 900.0
+    ) -> None:
+        if gpu_memory_gib is not None and gpu_memory_gib <= 0:
+            raise ValueError(f"gpu_memory_gib must be positive, got {gpu_memory_gib}.")
+        if not 0 <= margin < 1:
+            raise ValueError(f"margin is a fraction of the GPU memory in [0, 1), got {margin}.")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout}.")
+        self.gpu_memory_gib = gpu_memory_gib
+        self.margin = margin
+        self.stop = stop
+        self.timeout = timeout
+        self.plan: dict[str, Any] | None = None
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        message = None
+        if trainer.is_global_zero:
+            self.plan = self._plan(trainer, pl_module)
+            if self.plan is not None and not self.plan["fits"]:
+                message = _not_fitting(self.plan)
+        if self.stop:
+            message = trainer.strategy.broadcast(message, src=0)
+            if message is not None:
+                raise RuntimeError(f"MemoryPlanCheck stopped the fit before the model was built. {message}")
+        if message is not None:
+            rank_zero_warn(message)
+
+    def _plan(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any] | None:
+        if not isinstance(getattr(pl_module, "recipe", None), ModelRecipe):
+            rank_zero_warn(f"MemoryPlanCheck plans CausalLMModule fits only; {type(pl_module).__name__} is skipped.")
+            return None
+        datamodule = trainer.datamodule
+        if not all(hasattr(datamodule, name) for name in ("max_length", "batch_size")):
+            rank_zero_warn(
+                "MemoryPlanCheck needs a datamodule with max_length and batch_size (SFTDataModule): skipped."
+            )
+            return None
+        gpu_memory_gib = self.gpu_memory_gib
+        device = trainer.strategy.root_device
+        if gpu_memory_gib is None and device.type == "cuda":
+            gpu_memory_gib = torch.cuda.get_device_properties(device).total_memory / _GIB
+        if gpu_memory_gib is None:
+            rank_zero_info(f"MemoryPlanCheck: training on {device.type}, not CUDA; give gpu_memory_gib to plan anyway.")
+            return None
+        from lit_memtrain.planner.fit_config import settings_from_trainer
+
+        settings = settings_from_trainer(trainer, pl_module, datamodule)
+        with tempfile.TemporaryDirectory() as directory:
+            path = Path(directory) / "settings.json"
+            path.write_text(json.dumps(settings.to_dict()))
+            command = [sys.executable, "-m", "lit_memtrain.planner.command", "--settings", str(path), "--json",
+                       "--gpu-memory", str(gpu_memory_gib), "--margin", str(self.margin)]  # fmt: skip
+            result = subprocess.run(command, capture_output=True, text=True, timeout=self.timeout)
+        if result.returncode != 0:
+            rank_zero_warn(f"MemoryPlanCheck could not plan this fit: {result.stderr.strip()[-2000:]}")
+            return None
+        plan = json.loads(result.stdout)
+        rank_zero_info(
+            f"MemoryPlanCheck: simulated peak {plan['peak_device_bytes'] / _GIB:.2f} GiB per GPU in {plan['phase']}, "
+            f"{plan['usable_bytes'] / _GIB:.2f} GiB usable: {'fits' if plan['fits'] else 'does NOT fit'}."
+        )
+        return plan
+
+
+def _not_fitting(plan: dict[str, Any]) -> str:
+    message = (
+        f"This fit will not fit in GPU memory: one training step is simulated to peak at "
+        f"{plan['peak_device_bytes'] / _GIB:.2f} GiB per GPU (in {plan['phase']}), and "
+        f"{plan['usable_bytes'] / _GIB:.2f} GiB are usable ({plan['gpu_memory_bytes'] / _GIB:.2f} GiB less a "
+        f"{plan['margin']:.0%} margin)."
+    )
+    suggestion = plan.get("suggestion")
+    if suggestion and suggestion["fits"]:
+        message += f" To fit, add: {'; '.join(suggestion['add'])}."
+    elif suggestion:
+        message += (
+            f" Every memory technique together still peaks at {suggestion['peak_device_bytes'] / _GIB:.2f} GiB: lower "
+            "data.max_length (`lit-memtrain plan --find-max-length` finds the longest that fits), train a LoRA "
+            "adapter, or spread the model over more GPUs."
+        )
+    return message + " Details: `lit-memtrain plan` with the same arguments."

@@ -1,0 +1,116 @@
+"""``lit-memtrain plan``: will a ``fit`` configuration fit on a GPU, and how long a sequence fits.
+
+Takes every argument ``lit-memtrain fit`` takes (``--config``, ``--model.*``, ``--data.*``, ``--trainer.*``)
+plus the options below, simulates one optimizer step of that configuration on fake tensors (no weights, no
+data, no GPU), and prints the peak device memory per rank with its breakdown and phase, the peak host
+memory, and whether it fits::
+
+    lit-memtrain plan --config configs/long_context.yaml --gpu-memory 80
+    lit-memtrain plan --config configs/long_context.yaml --find-max-length --compare --plot lengths.png --json
+
+Also run as ``python -m lit_memtrain.planner.command --settings FILE.json`` with settings written by
+:meth:`~lit_memtrain.planner.settings.PlanSettings.to_dict` (how the ``MemoryPlanCheck`` callback runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+
+__all__ = ["main"]
+
+_EPILOG = "Every `lit-memtrain fit` argument is accepted as well (--config, --model.*, --data.*, --trainer.*)."
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lit-memtrain plan",
+        description="Simulate one training step of a fit configuration on fake tensors and report its peak memory.",
+        epilog=_EPILOG,
+    )
+    parser.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
+                        help="GPU memory per rank in GiB (default: the local GPU's, else 80)")  # fmt: skip
+    parser.add_argument("--margin", type=float, default=None,
+                        help="fraction of the GPU memory kept free for the CUDA context, kernel workspaces and "
+                             "fragmentation (default 0.1)")  # fmt: skip
+    parser.add_argument("--find-max-length", action="store_true",
+                        help="also find the longest data.max_length that fits")  # fmt: skip
+    parser.add_argument("--compare", action="store_true",
+                        help="one row per technique added in turn, with its peak and longest length")  # fmt: skip
+    parser.add_argument("--plot", metavar="FILE.png", default=None,
+                        help="draw peak memory against sequence length per technique (implies --compare)")  # fmt: skip
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--settings", metavar="FILE.json", default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``lit-memtrain plan``; returns the exit status (0, or 2 for a configuration it cannot plan)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = _parser()
+    if any(arg in ("-h", "--help") for arg in argv):
+        parser.print_help()
+        return 0
+    options, fit_args = parser.parse_known_args(argv)
+    try:
+        report = _plan(options, fit_args)
+    except (ValueError, TypeError, OSError, argparse.ArgumentError) as error:
+        print(f"lit-memtrain plan: error: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(report.to_json(), indent=2) if options.json else report.to_text())
+    return 0
+
+
+def _plan(options: argparse.Namespace, fit_args: list[str]):
+    # The stand-in device must be registered before anything in this process runs autograd.
+    from lit_memtrain.planner.simulate import stand_in_device
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecations, once per simulation
+
+    stand_in_device()
+    from lit_memtrain.planner.plan import DEFAULT_MARGIN, Planner, gpu_budget
+    from lit_memtrain.planner.report import PlanReport
+    from lit_memtrain.planner.settings import PlanSettings
+
+    if options.settings is not None:
+        if fit_args:
+            raise ValueError(f"--settings takes no fit arguments, got {fit_args}.")
+        with open(options.settings) as file:
+            settings = PlanSettings.from_dict(json.load(file))
+    else:
+        settings = _read_fit_arguments(fit_args)
+    budget = gpu_budget(options.gpu_memory, DEFAULT_MARGIN if options.margin is None else options.margin)
+    planner = Planner(settings, budget)
+    report = PlanReport(settings, budget, planner.simulate())
+    report.suggestion = planner.suggestion()
+    if options.find_max_length:
+        report.search = planner.longest_length()
+    if options.compare or options.plot:
+        report.comparison = planner.comparison()
+    if options.plot:
+        from lit_memtrain.planner.plot import plot_lengths, write_plot
+
+        write_plot(
+            options.plot,
+            report.comparison,
+            lambda row, length: planner.simulate(row.techniques, length).memory.device_peak,
+            plot_lengths(report.comparison, settings.max_length),
+            budget,
+            f"{report.to_json()['model']}, {settings.precision}, batch {settings.batch_size}: simulated peak per rank",
+        )
+        report.plot = options.plot
+    return report
+
+
+def _read_fit_arguments(fit_args: list[str]):
+    from lit_memtrain.planner.fit_config import read_fit_config
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+        return read_fit_config(fit_args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

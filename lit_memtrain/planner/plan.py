@@ -1,0 +1,176 @@
+"""A memory plan: one configuration's simulated step against a GPU, the longest length, the comparison.
+
+Why a margin: the simulation counts the bytes PyTorch allocates (what ``torch.cuda.max_memory_allocated``
+reports). A GPU also holds the CUDA context and kernel workspaces outside those, and the caching allocator
+loses some memory to fragmentation (less with expandable segments, which ``lit-memtrain`` turns on). A plan
+therefore fits when its peak is at most ``(1 - margin) x`` the GPU's memory; the default margin is 10%.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lit_memtrain.planner.search import LengthSearch, find_max_length
+from lit_memtrain.planner.settings import PlanSettings
+from lit_memtrain.planner.step import StepSimulation, simulate_fit_step
+from lit_memtrain.planner.techniques import COMPARISON, SUGGESTIONS, Techniques, techniques_of, with_techniques
+
+__all__ = ["DEFAULT_GPU_MEMORY_GIB", "DEFAULT_MARGIN", "Budget", "ComparisonRow", "Planner", "gpu_budget"]
+
+GIB = 2**30
+DEFAULT_GPU_MEMORY_GIB = 80.0
+DEFAULT_MARGIN = 0.10
+_BREAKDOWN = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The GPU memory a plan must fit in, and where that figure comes from."""
+
+    gpu_memory: int
+    margin: float = DEFAULT_MARGIN
+    source: str = "--gpu-memory"
+
+    def __post_init__(self) -> None:
+        if self.gpu_memory <= 0:
+            raise ValueError(f"The GPU memory must be positive, got {self.gpu_memory} bytes.")
+        if not 0 <= self.margin < 1:
+            raise ValueError(f"The margin is a fraction of the GPU memory in [0, 1), got {self.margin}.")
+
+    @property
+    def usable(self) -> int:
+        return int(self.gpu_memory * (1 - self.margin))
+
+    def fits(self, peak: int) -> bool:
+        return peak <= self.usable
+
+
+def gpu_budget(gpu_memory_gib: float | None = None, margin: float = DEFAULT_MARGIN) -> Budget:
+    """``gpu_memory_gib`` if given, else the local GPU's memory, else 80 GiB."""
+    if gpu_memory_gib is not None:
+        return Budget(int(gpu_memory_gib * GIB), margin, "--gpu-memory")
+    import torch
+
+    if torch.cuda.is_available():
+        properties = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return Budget(properties.total_memory, margin, f"the local GPU, {properties.name}")
+    return Budget(int(DEFAULT_GPU_MEMORY_GIB * GIB), margin, "the default: no local GPU, set --gpu-memory")
+
+
+@dataclass
+class ComparisonRow:
+    """One row of ``--compare``: a technique added, its peak at the configured length and its longest length."""
+
+    name: str
+    techniques: Techniques | None
+    note: str = ""
+    step: StepSimulation | None = None
+    search: LengthSearch | None = None
+
+
+@dataclass
+class Planner:
+    """Simulations of one configuration and its variants against one budget, each simulated once.
+
+    Run in a process whose stand-in device is registered (see :mod:`lit_memtrain.planner.simulate`).
+    ``progress`` receives a line per simulation (the CLI prints them to stderr).
+    """
+
+    settings: PlanSettings
+    budget: Budget
+    progress: Callable[[str], None] = field(default=lambda line: print(line, file=sys.stderr, flush=True))
+    _simulations: dict[tuple[Techniques, int], StepSimulation] = field(default_factory=dict)
+
+    def simulate(self, techniques: Techniques | None = None, max_length: int | None = None) -> StepSimulation:
+        """One step with ``techniques`` (default: the configuration's own) and rows of ``max_length`` tokens."""
+        techniques = techniques_of(self.settings) if techniques is None else techniques
+        max_length = self.settings.max_length if max_length is None else max_length
+        key = (techniques, max_length)
+        if key not in self._simulations:
+            start = time.process_time()
+            step = simulate_fit_step(with_techniques(self.settings, techniques), max_length)
+            self.progress(
+                f"simulated {techniques.describe()} at {max_length:,} tokens per row: peak "
+                f"{step.memory.device_peak / GIB:,.2f} GiB ({time.process_time() - start:.1f} s CPU)"
+            )
+            self._simulations[key] = step
+        return self._simulations[key]
+
+    def longest_length(self, techniques: Techniques | None = None) -> LengthSearch:
+        """The longest ``max_length`` (to the nearest 1,024 tokens below) that fits the budget."""
+        techniques = techniques_of(self.settings) if techniques is None else techniques
+        return find_max_length(
+            lambda length: self.simulate(techniques, length).memory.device_peak,
+            self.budget.usable,
+            start=self.settings.max_length,
+        )
+
+    def suggestion(self) -> dict[str, Any] | None:
+        """What to add to the configuration so that it fits at its own length, or None if it already fits.
+
+        Techniques are added in the order of :data:`~lit_memtrain.planner.techniques.SUGGESTIONS`, each on
+        top of the previous ones; the first combination that fits is the suggestion.
+        """
+        current = techniques_of(self.settings)
+        if self.budget.fits(self.simulate(current).memory.device_peak):
+            return None
+        added: list[str] = []
+        candidate = current
+        for name, how in SUGGESTIONS:
+            updated = _add(candidate, name)
+            if updated == candidate:
+                continue
+            candidate = updated
+            added.append(how)
+            step = self.simulate(candidate)
+            if self.budget.fits(step.memory.device_peak):
+                return {"fits": True, "add": added, "peak_device_bytes": step.memory.device_peak}
+        step = self.simulate(candidate)
+        fixed = step.memory.fixed
+        return {
+            "fits": False,
+            "add": added,
+            "peak_device_bytes": step.memory.device_peak,
+            "fixed_bytes": fixed,
+        }
+
+    def comparison(self) -> list[ComparisonRow]:
+        """One row per technique added in turn (:data:`~lit_memtrain.planner.techniques.COMPARISON`)."""
+        rows = []
+        for name, techniques, note in COMPARISON:
+            row = ComparisonRow(name, techniques, note)
+            if techniques is not None:
+                row.step = self.simulate(techniques)
+                row.search = self.longest_length(techniques)
+            rows.append(row)
+        return rows
+
+
+def _add(techniques: Techniques, name: str) -> Techniques:
+    from dataclasses import replace
+
+    if name == "checkpointing":
+        return techniques if techniques.checkpointing else replace(techniques, checkpointing="full")
+    if name == "chunked_loss":
+        return replace(techniques, chunked_loss=True)
+    if name == "tiled_mlp":
+        return replace(techniques, tiled_mlp=True)
+    if name == "full_checkpointing":
+        modes = {"selective": "full", "selective_offload": "offload"}
+        return replace(techniques, checkpointing=modes.get(techniques.checkpointing, techniques.checkpointing))
+    if techniques.activation_offloading or (techniques.checkpointing or "").endswith("offload"):
+        return techniques
+    mode = "selective_offload" if techniques.checkpointing == "selective" else "offload"
+    return replace(techniques, checkpointing=mode)
+
+
+def breakdown(step: StepSimulation) -> dict[str, int]:
+    """The device bytes at the peak, by kind; buffers and inputs are folded into ``other``."""
+    at_peak = step.memory.device_at_peak
+    result = {kind: at_peak.get(kind, 0) for kind in _BREAKDOWN}
+    result["other"] = sum(size for kind, size in at_peak.items() if kind not in _BREAKDOWN)
+    return result

@@ -1,0 +1,152 @@
+"""What a plan simulates: the parts of a ``fit`` configuration that decide a training step's memory.
+
+Why a plain, JSON-serialisable description rather than the instantiated objects: a simulation must run in
+a process of its own (see :mod:`lit_memtrain.planner.simulate`), the comparison and the length search run
+the same configuration with techniques switched on and off, and nothing here may load weights or data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from lit_memtrain.callbacks.activation_offloading import ActivationOffloading
+from lit_memtrain.callbacks.gradient_checkpointing import GradientCheckpointing
+from lit_memtrain.callbacks.tiled_mlp import TiledMLP
+
+__all__ = ["SIMULATED_CALLBACKS", "CallbackSpec", "PlanSettings", "StrategySpec", "normalise_precision"]
+
+SIMULATED_CALLBACKS = (GradientCheckpointing, TiledMLP, ActivationOffloading)
+
+_PRECISIONS = {
+    "32": "32-true", "32-true": "32-true", "64": "64-true", "64-true": "64-true",
+    "16": "16-mixed", "16-mixed": "16-mixed", "16-true": "16-true",
+    "bf16": "bf16-mixed", "bf16-mixed": "bf16-mixed", "bf16-true": "bf16-true",
+}  # fmt: skip
+
+
+def normalise_precision(precision: str | int | None) -> str:
+    """Lightning's precision names (``"bf16"``, ``16``, ``"32-true"``...) in their unified form.
+
+    Raises:
+        ValueError: a precision the planner cannot simulate (``transformer-engine``, an unknown name).
+    """
+    if precision is None:
+        return "32-true"
+    name = str(precision)
+    if name not in _PRECISIONS:
+        raise ValueError(
+            f"The planner cannot simulate trainer.precision={precision!r}; it knows "
+            f"{sorted(set(_PRECISIONS.values()))} (and Lightning's short forms such as 'bf16' and 16)."
+        )
+    return _PRECISIONS[name]
+
+
+@dataclass(frozen=True)
+class CallbackSpec:
+    """A callback as LightningCLI configures it: ``class_path`` and ``init_args``."""
+
+    class_path: str
+    init_args: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.class_path.rsplit(".", 1)[-1]
+
+    def resolve(self) -> type:
+        """The callback class (``package.module.Class``)."""
+        module_name, _, class_name = self.class_path.rpartition(".")
+        try:
+            return getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError, ValueError) as error:
+            raise ValueError(f"Cannot import the callback {self.class_path!r}: {error}") from error
+
+    def instantiate(self) -> Any:
+        return self.resolve()(**self.init_args)
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """The strategy named by ``trainer.strategy`` and how the planner treats it.
+
+    ``kind``: ``single_device`` (one process), ``ddp`` (every rank holds the whole model and, with
+    Lightning's DDP defaults, one more copy of the gradients in its communication buckets), or
+    ``not_simulated`` (a sharded or sequence-parallel strategy: the plan simulates one unsharded device and
+    says so). Per-rank simulation of sharded and context-parallel strategies is added with those strategies.
+    """
+
+    name: str = "auto"
+    world_size: int = 1
+    kind: Literal["single_device", "ddp", "not_simulated"] = "single_device"
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """One training step's configuration, as far as its memory is concerned.
+
+    Attributes:
+        module: :class:`~lit_memtrain.module.CausalLMModule` arguments (``model``/``preset``/``config``,
+            ``dtype``, ``loss_type``, ``lora``...).
+        precision: Lightning's unified precision name (``"bf16-mixed"``, ``"32-true"``...).
+        callbacks: the configured callbacks; those in :data:`SIMULATED_CALLBACKS` change the step and are
+            simulated, the others are listed as having no effect on its memory.
+        max_length: tokens per row.
+        batch_size: rows per micro-batch.
+        padding_free: rows are flattened into one (packing or ``padding_free``).
+        accumulate_grad_batches: micro-batches per optimizer step.
+        strategy: the distributed strategy.
+        tokenizer: the tokenizer a preset model takes its vocabulary from.
+    """
+
+    module: dict[str, Any]
+    precision: str = "32-true"
+    callbacks: tuple[CallbackSpec, ...] = ()
+    max_length: int = 1024
+    batch_size: int = 1
+    padding_free: bool = False
+    accumulate_grad_batches: int = 1
+    strategy: StrategySpec = StrategySpec()
+    tokenizer: str | None = None
+
+    def __post_init__(self) -> None:
+        if not any(self.module.get(name) for name in ("model", "preset", "config")):
+            raise ValueError(
+                "The configuration has no model: set model.model (a hub id or a local directory with config.json), "
+                "model.preset (one of lit_memtrain.PRESETS) or model.config (a dict with model_type)."
+            )
+        if self.max_length < 1:
+            raise ValueError(f"data.max_length must be at least 1 token, got {self.max_length}.")
+        if self.batch_size < 1 or self.accumulate_grad_batches < 1:
+            raise ValueError(
+                f"data.batch_size and trainer.accumulate_grad_batches must be at least 1, got {self.batch_size} "
+                f"and {self.accumulate_grad_batches}."
+            )
+        normalise_precision(self.precision)
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens of one micro-batch (what one forward and backward hold)."""
+        return self.max_length * self.batch_size
+
+    def callback(self, kind: type) -> CallbackSpec | None:
+        """The first configured callback that is a ``kind`` (a class or a subclass of it)."""
+        return next((spec for spec in self.callbacks if issubclass(spec.resolve(), kind)), None)
+
+    def without_callbacks(self, *kinds: type) -> tuple[CallbackSpec, ...]:
+        """The configured callbacks, less those of the given kinds."""
+        return tuple(spec for spec in self.callbacks if not issubclass(spec.resolve(), kinds))
+
+    def replace(self, **changes: Any) -> PlanSettings:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> PlanSettings:
+        values = dict(values)
+        values["callbacks"] = tuple(CallbackSpec(**spec) for spec in values.get("callbacks", ()))
+        values["strategy"] = StrategySpec(**values.get("strategy", {}))
+        return cls(**values)

@@ -1,0 +1,113 @@
+"""Switching a configuration's memory techniques on and off, for the comparison and the suggestions.
+
+Why a small description of its own: ``--compare`` replays the same model, precision and batch with the
+techniques added one at a time, and a plan that does not fit says which technique to add. Both edit the
+same four things of :class:`~lit_memtrain.planner.settings.PlanSettings`: the loss, the checkpointing
+callback's mode, the tiled-MLP callback, the activation-offloading callback. Options the user gave those
+callbacks (``layers_path``, ``num_tiles``, offloading thresholds) are kept when a technique stays on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from lit_memtrain.callbacks.activation_offloading import ActivationOffloading
+from lit_memtrain.callbacks.gradient_checkpointing import GradientCheckpointing
+from lit_memtrain.callbacks.tiled_mlp import TiledMLP
+from lit_memtrain.planner.settings import CallbackSpec, PlanSettings
+
+__all__ = ["COMPARISON", "SUGGESTIONS", "Techniques", "techniques_of", "with_techniques"]
+
+Checkpointing = Literal["full", "selective", "offload", "selective_offload"]
+
+
+@dataclass(frozen=True)
+class Techniques:
+    """The memory techniques of a configuration."""
+
+    checkpointing: Checkpointing | None = None
+    chunked_loss: bool = False
+    tiled_mlp: bool = False
+    activation_offloading: bool = False
+
+    def describe(self) -> str:
+        parts = []
+        if self.checkpointing is not None:
+            parts.append({
+                "full": "gradient checkpointing",
+                "selective": "selective checkpointing",
+                "offload": "checkpointing with offloaded inputs",
+                "selective_offload": "selective checkpointing with offloaded inputs",
+            }[self.checkpointing])
+        parts += [name for name, on in (
+            ("chunked loss", self.chunked_loss),
+            ("tiled MLP", self.tiled_mlp),
+            ("activation offloading", self.activation_offloading),
+        ) if on]  # fmt: skip
+        return ", ".join(parts) or "none"
+
+
+def techniques_of(settings: PlanSettings) -> Techniques:
+    """The techniques ``settings`` turn on."""
+    checkpointing = None
+    spec = settings.callback(GradientCheckpointing)
+    if spec is not None:
+        selective, offload = spec.init_args.get("selective", False), spec.init_args.get("offload", False)
+        checkpointing = {(False, False): "full", (True, False): "selective", (False, True): "offload"}.get(
+            (selective, offload), "selective_offload"
+        )
+    return Techniques(
+        checkpointing=checkpointing,
+        chunked_loss=settings.module.get("loss_type", "chunked") == "chunked",
+        tiled_mlp=settings.callback(TiledMLP) is not None,
+        activation_offloading=settings.callback(ActivationOffloading) is not None,
+    )
+
+
+def _spec(settings: PlanSettings, kind: type, **init_args: object) -> CallbackSpec:
+    existing = settings.callback(kind)
+    kept = dict(existing.init_args) if existing is not None else {}
+    return CallbackSpec(f"{kind.__module__}.{kind.__qualname__}", {**kept, **init_args})
+
+
+def with_techniques(settings: PlanSettings, techniques: Techniques) -> PlanSettings:
+    """``settings`` with exactly ``techniques`` on (everything else unchanged)."""
+    callbacks = list(settings.without_callbacks(GradientCheckpointing, TiledMLP, ActivationOffloading))
+    if techniques.checkpointing is not None:
+        selective = techniques.checkpointing.startswith("selective")
+        offload = techniques.checkpointing.endswith("offload")
+        callbacks.append(_spec(settings, GradientCheckpointing, selective=selective, offload=offload))
+    if techniques.tiled_mlp:
+        callbacks.append(_spec(settings, TiledMLP))
+    if techniques.activation_offloading:
+        callbacks.append(_spec(settings, ActivationOffloading))
+    module = {**settings.module, "loss_type": "chunked" if techniques.chunked_loss else "nll"}
+    return settings.replace(module=module, callbacks=tuple(callbacks))
+
+
+# One row per technique added in turn. Activation offloading moves the same tensors as offloaded
+# checkpoints (each layer's input, under checkpointing) by another mechanism, so its row replaces that one
+# instead of adding to it (on top of offloaded checkpoints it would find nothing left to move).
+_FULL = Techniques(checkpointing="full", chunked_loss=True, tiled_mlp=True)
+COMPARISON: list[tuple[str, Techniques | None, str]] = [
+    ("plain", Techniques(), ""),
+    ("+ checkpointing", Techniques(checkpointing="full"), ""),
+    ("+ chunked loss", Techniques(checkpointing="full", chunked_loss=True), ""),
+    ("+ tiled MLP", _FULL, ""),
+    ("+ offloaded checkpoints", Techniques(checkpointing="offload", chunked_loss=True, tiled_mlp=True), ""),
+    ("+ activation offloading", Techniques(checkpointing="full", chunked_loss=True, tiled_mlp=True,
+                                           activation_offloading=True), "in place of offloaded checkpoints"),
+    ("+ CPU-offloaded state", None, "needs the FSDP2 strategy with cpu_offload (issue 10)"),
+    ("+ context parallel", None, "needs the context-parallel strategy (issue 11)"),
+]  # fmt: skip
+
+# What a plan that does not fit tries, in this order, each on top of the previous ones: (name, how to add it).
+SUGGESTIONS: list[tuple[str, str]] = [
+    ("checkpointing", "gradient checkpointing (callback lit_memtrain.callbacks.GradientCheckpointing)"),
+    ("chunked_loss", "the chunked loss (model.loss_type: chunked)"),
+    ("tiled_mlp", "tiled MLPs (callback lit_memtrain.callbacks.TiledMLP)"),
+    ("offload", "offloaded checkpoints (GradientCheckpointing with init_args offload: true)"),
+    ("full_checkpointing",
+     "full instead of selective checkpointing (GradientCheckpointing with init_args selective: false)"),
+]

@@ -1,0 +1,248 @@
+"""`lit-memtrain plan` and the fit-step simulation behind it, on small configurations.
+
+Sizes are checked against hand computation: a tiny Qwen3 (hidden 64, vocabulary 512, tied embeddings) with
+P parameters in 24 tensors, fp32, one row of L = 8192 tokens, two accumulated micro-batches (so the
+previous micro-batch's gradients are alive through the whole step). Simulations run in child processes:
+the stand-in device must be registered before a process's first backward.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+L, H, TENSORS = 8192, 64, 24
+FP32 = 4
+TINY = [
+    "--config", "configs/quickstart.yaml", "--model.preset=tiny-qwen3",
+    "--model.config_overrides={vocab_size: 512, num_hidden_layers: 2, hidden_size: 64, intermediate_size: 128, "
+    "num_attention_heads: 4, num_key_value_heads: 2, head_dim: 16}",
+    "--data.batch_size=1",
+]  # fmt: skip
+
+_SIMULATIONS = """
+import json
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from lit_memtrain.planner.simulate import stand_in_device
+device = stand_in_device()
+from lit_memtrain.planner.plan import Budget, Planner, breakdown
+from lit_memtrain.planner.settings import CallbackSpec, PlanSettings, StrategySpec
+from lit_memtrain.planner.tracker import MemoryTracker
+
+CHECKPOINTING = "lit_memtrain.callbacks.GradientCheckpointing"
+
+def settings(layers, **changes):
+    values = dict(
+        module={"preset": "tiny-qwen3", "config_overrides": {"vocab_size": 512, "num_hidden_layers": layers}},
+        callbacks=(CallbackSpec(CHECKPOINTING),), max_length=8192, accumulate_grad_batches=2,
+    )
+    return PlanSettings(**{**values, **changes})
+
+def report(planner_settings):
+    step = Planner(planner_settings, Budget(2**40), progress=lambda line: None).simulate()
+    return {"peak": step.memory.device_peak, "host": step.memory.host_at_peak, "phase": step.memory.phase,
+            "breakdown": breakdown(step), "parameters": step.parameters, "notes": step.notes}
+
+results = {name: report(value) for name, value in {
+    "two": settings(2),
+    "three": settings(3),
+    "three_offloaded": settings(3, callbacks=(CallbackSpec(CHECKPOINTING, {"offload": True}),)),
+    "three_ddp": settings(3, strategy=StrategySpec("ddp", 2, "ddp")),
+    "bf16_true": settings(2, precision="bf16-true"),
+    "one_micro_batch": settings(2, accumulate_grad_batches=1),
+}.items()}
+
+budgets = [0.045, 0.06, 0.1, 0.2]
+peaks = {}
+lengths = []
+for gib in budgets:
+    planner = Planner(settings(2), Budget(int(gib * 2**30), margin=0.0), progress=lambda line: None)
+    search = planner.longest_length()
+    lengths.append(search.max_length)
+    peaks[gib] = {str(length): peak for length, peak in search.peaks.items()}
+results["search"] = {"budgets": budgets, "lengths": lengths, "peaks": peaks}
+
+# CUDA's autocast on the stand-in device: matmuls in bf16, one cached bf16 copy of a weight per region.
+with FakeTensorMode(allow_non_fake_inputs=True):
+    weight = torch.empty(1024, 1024, device=device, requires_grad=True)
+    x = torch.empty(8, 1024, device=device)
+    tracker = MemoryTracker()
+    tracker.track_external(weight, x)
+    with tracker:
+        with torch.autocast("gpu", dtype=torch.bfloat16):
+            first, second = F.linear(x, weight), F.linear(x, weight)
+            inside = tracker.total(device)
+        after = tracker.total(device)
+    results["autocast"] = {"dtypes": [str(first.dtype), str(second.dtype)], "inside": inside, "after": after}
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def simulated() -> dict:
+    result = subprocess.run([sys.executable, "-c", _SIMULATIONS], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_fixed_memory_is_parameters_gradients_and_adamw_state_exactly(simulated):
+    for name in ("two", "three"):
+        report = simulated[name]
+        parameters, kinds = report["parameters"], report["breakdown"]
+        assert kinds["parameters"] == FP32 * parameters
+        assert kinds["gradients"] == FP32 * parameters  # the earlier micro-batch's, accumulated in place
+        # Fused AdamW: two fp32 moments per parameter and a 4-byte step counter per tensor, on the device.
+        tensors = TENSORS if name == "two" else TENSORS + 11
+        assert kinds["optimizer_state"] == 2 * FP32 * parameters + 4 * tensors
+        assert sum(kinds.values()) == report["peak"]
+
+
+def test_each_checkpointed_layer_keeps_its_input(simulated):
+    two, three = simulated["two"], simulated["three"]
+    assert (two["phase"], three["phase"]) == ("backward, decoder layer 1", "backward, decoder layer 2")
+    assert three["breakdown"]["activations"] - two["breakdown"]["activations"] == L * H * FP32
+
+
+def test_offloaded_checkpoints_hold_every_layer_input_on_the_host(simulated):
+    offloaded, on_device = simulated["three_offloaded"], simulated["three"]
+    assert offloaded["host"]["activations"] == 3 * L * H * FP32
+    assert on_device["breakdown"]["activations"] - offloaded["breakdown"]["activations"] == 3 * L * H * FP32
+
+
+def test_ddp_adds_one_copy_of_the_gradients(simulated):
+    ddp, single = simulated["three_ddp"], simulated["three"]
+    assert ddp["breakdown"]["gradients"] == 2 * single["breakdown"]["gradients"]
+    assert ddp["peak"] - single["peak"] == single["breakdown"]["gradients"]
+    assert "DDP (2 ranks)" in ddp["notes"][0]
+
+
+def test_bf16_true_halves_the_fixed_memory(simulated):
+    bf16, fp32 = simulated["bf16_true"]["breakdown"], simulated["two"]["breakdown"]
+    for kind in ("parameters", "gradients"):
+        assert 2 * bf16[kind] == fp32[kind]
+
+
+def test_without_accumulation_the_previous_gradients_are_freed_before_backward(simulated):
+    """Lightning zeroes the gradients after training_step: at a backward peak only the gradients of layers
+    already back-propagated exist (here the last layer's and the tied head's)."""
+    one, two = simulated["one_micro_batch"]["breakdown"], simulated["two"]["breakdown"]
+    assert one["gradients"] < two["gradients"] / 10
+    assert one["activations"] == two["activations"]
+
+
+def test_max_length_grows_with_the_gpu_memory(simulated):
+    search = simulated["search"]
+    lengths = search["lengths"]
+    assert lengths == sorted(lengths) and lengths[0] < lengths[-1]
+    for gib, length in zip(search["budgets"], lengths):
+        peaks = {int(key): value for key, value in search["peaks"][str(gib)].items()}
+        usable = int(gib * 2**30)
+        assert length % 1024 == 0 and peaks[length] <= usable
+        assert peaks[length + 1024] > usable  # the next multiple of 1,024 was simulated and does not fit
+
+
+def test_autocast_runs_matmuls_in_bf16_and_caches_one_weight_copy_per_region(simulated):
+    autocast = simulated["autocast"]
+    assert autocast["dtypes"] == ["torch.bfloat16", "torch.bfloat16"]
+    assert autocast["inside"] - autocast["after"] == 1024 * 1024 * 2  # the cached copy, freed on exit
+
+
+def _plan(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "lit_memtrain.cli", "plan", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_json_compare_and_plot(tmp_path: Path):
+    plot = tmp_path / "lengths.png"
+    result = _plan(*TINY, "--data.max_length=4096", "--gpu-memory=0.05", "--find-max-length", "--compare",
+                   "--plot", str(plot), "--json")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan = json.loads(result.stdout)
+    assert plan["sequence_length"] == 4096 and plan["precision"] == "32-true"
+    assert sum(plan["breakdown"].values()) == plan["peak_device_bytes"]
+    assert plan["usable_bytes"] == int(plan["gpu_memory_bytes"] * 0.9) and plan["gpu_memory_bytes"] == int(0.05 * 2**30)
+    assert plan["fits"] == (plan["peak_device_bytes"] <= plan["usable_bytes"])
+    assert plan["phase"].startswith(("forward", "backward", "optimizer step"))
+    assert plan["max_length"] % 1024 == 0 and plan["max_length"] > 0
+    rows = {row["technique"]: row for row in plan["compare"]}
+    assert list(rows)[:4] == ["plain", "+ checkpointing", "+ chunked loss", "+ tiled MLP"]
+    assert rows["plain"]["peak_device_bytes"] > rows["+ checkpointing"]["peak_device_bytes"]
+    assert rows["plain"]["max_length"] <= rows["+ offloaded checkpoints"]["max_length"]
+    assert not rows["+ CPU-offloaded state"]["simulated"] and "FSDP2" in rows["+ CPU-offloaded state"]["note"]
+    assert not rows["+ context parallel"]["simulated"]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 20_000
+
+
+def test_cli_plans_a_local_config_directory_and_says_what_to_add(tmp_path: Path):
+    """A model given as a directory with only a config.json (no weights) plans like the preset it was made from."""
+    from lit_memtrain.presets import build_config
+
+    overrides = {"vocab_size": 512, "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
+    build_config("tiny-qwen3", overrides).save_pretrained(tmp_path)
+    result = _plan("--config", "configs/quickstart.yaml", "--model.preset=null", f"--model.model={tmp_path}",
+                   "--data.batch_size=1", "--data.max_length=8192", "--model.loss_type=nll", "--trainer.callbacks=[]",
+                   "--gpu-memory=0.07", "--trainer.strategy=fsdp")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = result.stdout
+    assert f"Model: {tmp_path}, 0.11M parameters" in text
+    assert "DOES NOT FIT" in text and "To fit, add: gradient checkpointing" in text
+    assert "trainer.strategy='fsdp' shards the model or the sequence" in text
+
+
+def test_planning_from_settings_needs_neither_jsonargparse_nor_datasets():
+    """What MemoryPlanCheck runs on a GPU machine, which lacks jsonargparse, datasets and wandb."""
+    code = (
+        "import sys, lit_memtrain.planner.command, lit_memtrain.planner.plan, lit_memtrain.planner.step, "
+        "lit_memtrain.planner.report, lit_memtrain.planner.plot;"
+        "print(sorted(m for m in ('datasets', 'wandb', 'jsonargparse') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+BAD_INPUT = [
+    (["--model.preset=null"], "The configuration has no model: set model.model"),
+    (["--data.max_length=0"], "data.max_length must be at least 1 token, got 0."),
+    (["--data.max_lenght=5"], "unrecognized arguments: --data.max_lenght=5"),
+    (["--model.preset=null", "--model.model=/nonexistent/model"],
+     "Cannot read the config of model='/nonexistent/model'"),
+    (["--trainer.precision=transformer-engine"], "The planner cannot simulate trainer.precision='transformer-engine'"),
+]  # fmt: skip
+
+_BAD_INPUT = """
+import contextlib, io, json, sys
+from lit_memtrain.planner.command import main
+results = []
+for args in json.loads(sys.argv[1]):
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        status = main(["--config", "configs/quickstart.yaml", *args])
+    results.append([status, stderr.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def test_cli_refuses_an_unknown_preset_clearly():
+    result = _plan("--config", "configs/quickstart.yaml", "--model.preset=qwen9", timeout=300)
+    assert result.returncode == 2
+    assert "lit-memtrain plan: error: Unknown model preset 'qwen9'. Known presets:" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_bad_input_is_refused_clearly():
+    """What `lit-memtrain plan` runs (its main), for several bad inputs in one child process."""
+    arguments = json.dumps([args for args, _ in BAD_INPUT])
+    result = subprocess.run([sys.executable, "-c", _BAD_INPUT, arguments], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for (args, message), (status, stderr) in zip(BAD_INPUT, json.loads(result.stdout.strip().splitlines()[-1])):
+        assert status == 2, args
+        assert message in stderr, (args, stderr)
+        assert "Traceback" not in stderr
