@@ -54,6 +54,7 @@ from lit_memtrain.planner.simulate import (
     stand_in_device,
     tiles_simulated_once,
 )
+from lit_memtrain.probes import LogitTransform
 
 __all__ = ["StepSimulation", "simulate_fit_step"]
 
@@ -123,6 +124,9 @@ def simulate_fit_step(settings: PlanSettings, max_length: int | None = None) -> 
         module.model = fake_causal_lm(model_config, build_dtype, prepare)
         module.trainer = trainer
         module._device = device  # what LightningModule.to(device) records; the weights are already there
+        # The setup probes read values, which fake tensors have none of; a logit scale or cap the chunked loss
+        # applies costs no memory worth simulating, so the plain head stands in for what the probe would find.
+        module._logit_transform = LogitTransform()
         try:
             for callback in callbacks:
                 callback.on_fit_start(trainer, module)
