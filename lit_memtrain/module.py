@@ -14,22 +14,36 @@ from __future__ import annotations
 import importlib.util
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
-from torch import Tensor
+from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from transformers import PreTrainedModel
 
 from lit_memtrain.attention import SDPA_BY_DOCUMENT
 from lit_memtrain.lora import LoraSettings, apply_lora, head_weight
 from lit_memtrain.loss import IGNORE_INDEX, chunked_cross_entropy, cross_entropy
-from lit_memtrain.model_builder import ModelRecipe, build_causal_lm, check_tokenizer_fits_model, export_hf_directory
-_BATCH_ONLY_KEYS = ("labels", "num_trainable_tokens", "num_tokens", "seq_lengths")
+from lit_memtrain.model_builder import (
+    ModelRecipe,
+    build_causal_lm,
+    build_causal_lm_skeleton,
+    check_tokenizer_fits_model,
+    export_hf_directory,
+    export_sharded_hf_directory,
+    load_sharded,
+)
+from lit_memtrain.step_tokens import STEP_TRAINABLE_TOKENS, count_step_tokens_during_fit
+from lit_memtrain.strategies.fsdp2 import FSDP2Strategy
+from lit_memtrain.strategies.parallelize import is_sharded, run_inside_forward
+
+_BATCH_ONLY_KEYS = ("labels", "num_trainable_tokens", "num_tokens", "seq_lengths", STEP_TRAINABLE_TOKENS)
 _VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 _DOCUMENT_AWARE_ATTENTION = frozenset({"eager", "sdpa", "flex_attention", SDPA_BY_DOCUMENT})
 
@@ -89,11 +103,14 @@ class CausalLMModule(LightningModule):
         trust_remote_code: passed to ``from_pretrained`` / ``from_config``.
 
     Loss normalisation: every optimizer step trains on the mean loss of all its trainable target tokens,
-    across gradient-accumulation micro-batches and DDP ranks, so each token weighs the same however the
-    tokens fall into micro-batches (``train/loss`` shows each micro-batch's own mean).
+    across gradient-accumulation micro-batches and data-parallel ranks, so each token weighs the same however
+    the tokens fall into micro-batches (``train/loss`` shows each micro-batch's own mean). The step's count
+    is known before its first backward (:mod:`lit_memtrain.step_tokens`), so every gradient (clipping,
+    callbacks, GradScaler) is the gradient of that mean.
 
     The model is built in :meth:`configure_model`, which Lightning calls inside the strategy's device context
-    (directly on the training device); outside a ``Trainer``, call ``module.configure_model()`` first.
+    (directly on the training device); outside a ``Trainer``, call ``module.configure_model()`` first. Under
+    :class:`~lit_memtrain.strategies.FSDP2Strategy` it is sharded as it is built: see :meth:`configure_model`.
 
     Example:
         >>> module = CausalLMModule(preset="tiny-qwen3", tokenizer="lit-memtrain/embedded")
@@ -152,8 +169,7 @@ class CausalLMModule(LightningModule):
         self.adapter_only_checkpoints = lora is not None and bool(model)
         self.strict_loading = not self.adapter_only_checkpoints
         self.train_tokens_seen = 0
-        self._step_trainable_tokens: Tensor | int = 0
-        self._rescale_gradients = False
+        self._restore_dataloader_processing: Callable[[], None] | None = None
         self.first_train_loss: float | None = None
         self.last_train_loss: float | None = None
         self._step_started_at: float | None = None
@@ -164,15 +180,49 @@ class CausalLMModule(LightningModule):
         """Build the model (and its LoRA adapter) once; Lightning calls this inside the strategy's device context.
 
         Outside a ``Trainer`` (a notebook, a test), call it yourself before using ``module.model``.
+
+        Under :class:`~lit_memtrain.strategies.FSDP2Strategy` the model is built sharded: global rank 0 loads
+        (or initialises) the full model in host memory, the other ranks build it on the meta device; every
+        rank shards it (:meth:`FSDP2Strategy.parallelize`: each decoder layer, then the root) and receives its
+        shards from rank 0 one tensor at a time (:func:`~lit_memtrain.model_builder.load_sharded`), so no
+        device ever holds the whole model. A model built before the fit (``configure_model()`` called
+        outside the Trainer) is sharded the same way, rank 0's copy being the source.
         """
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if isinstance(strategy, FSDP2Strategy):
+            if not is_sharded(self.model):
+                self.model = self._build_sharded_model(strategy)
+            return
+        if isinstance(strategy, ModelParallelStrategy):
+            raise TypeError(
+                f"CausalLMModule does not parallelise itself under {type(strategy).__name__}; use "
+                "lit_memtrain.strategies.FSDP2Strategy (sharded data parallelism, with host offload if needed)."
+            )
         if self.model is not None:
             return
-        model = build_causal_lm(self.recipe, self.tokenizer)
+        self.model = self._build_model(build_causal_lm)
+
+    def _build_model(self, build: Callable[[ModelRecipe, Any], nn.Module]) -> nn.Module:
+        model = build(self.recipe, self.tokenizer)
         if self.tokenizer is not None:
             check_tokenizer_fits_model(model, self.tokenizer, self.hparams.tokenizer, self.recipe)
         if self.lora is not None:
             model = apply_lora(model, self.lora)
-        self.model = model.train()  # from_pretrained returns eval mode, which Lightning would keep through fit
+        return model.train()  # from_pretrained returns eval mode, which Lightning would keep through fit
+
+    def _build_sharded_model(self, strategy: FSDP2Strategy) -> nn.Module:
+        if self.recipe.quantized:
+            raise ValueError(
+                "QLoRA (lora.quantize) is not supported with FSDP2Strategy: its 4/8-bit weights cannot be sharded "
+                "by FSDP2. Train a plain LoRA adapter (drop lora.quantize) or QLoRA on one GPU without the strategy."
+            )
+        model = self.model
+        if model is None and strategy.global_rank == 0:
+            with torch.device("cpu"):
+                model = self._build_model(build_causal_lm)
+        elif model is None:
+            model = self._build_model(build_causal_lm_skeleton)
+        return load_sharded(model, strategy.parallelize, strategy.parameter_device, strategy.root_device)
 
     def _model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
         inputs = {k: v for k, v in batch.items() if k not in _BATCH_ONLY_KEYS and k not in _VARLEN_KEYS}
@@ -215,6 +265,17 @@ class CausalLMModule(LightningModule):
                 )
         return getattr(config, "final_logit_softcapping", None)
 
+    def _in_root_forward(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` where the model's root parameters are usable.
+
+        Under FSDP2 the embeddings and LM head are gathered only inside the root module's forward, and the
+        chunked loss reads the head's weight and calls the decoder directly: run it as the root's forward
+        (the head is then gathered once per step, not once per chunk).
+        """
+        if is_sharded(self.model):
+            return run_inside_forward(self.model, fn, *args)
+        return fn(*args)
+
     def _hidden_and_head(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor | None]:
         decoder = self.model.get_decoder()
         hidden = decoder(**self._model_inputs(batch)).last_hidden_state
@@ -229,6 +290,9 @@ class CausalLMModule(LightningModule):
         if self.hparams.loss_type == "nll":
             logits = self.model(**self._model_inputs(batch)).logits
             return cross_entropy(logits.flatten(0, 1), targets, num_items)
+        return self._in_root_forward(self._chunked_loss, batch, targets, num_items)
+
+    def _chunked_loss(self, batch: dict[str, Any], targets: Tensor, num_items: int | Tensor | None) -> Tensor:
         hidden, weight, bias = self._hidden_and_head(batch)
         return chunked_cross_entropy(
             hidden, weight, targets, num_items, self.hparams.loss_chunk_size, self._softcap(), bias
@@ -237,6 +301,9 @@ class CausalLMModule(LightningModule):
     @torch.no_grad()
     def token_losses(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor]:
         """Per-token loss, correctness of the argmax prediction, and position in document, for trainable targets."""
+        return self._in_root_forward(self._token_losses, batch)
+
+    def _token_losses(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor]:
         targets = shift_targets(batch["labels"]).flatten()
         keep = targets != IGNORE_INDEX
         if "position_ids" in batch:
@@ -275,19 +342,48 @@ class CausalLMModule(LightningModule):
             return int(batch["attention_mask"].sum())
         return batch["input_ids"].numel()
 
+    @staticmethod
+    def count_trainable_targets(batch: dict[str, Any]) -> int:
+        """Target tokens the loss of ``batch`` sums over (labels after the shift that are not -100)."""
+        return int((shift_targets(batch["labels"]) != IGNORE_INDEX).sum())
+
+    def setup(self, stage: str) -> None:
+        if stage == "fit":
+            self._restore_dataloader_processing = count_step_tokens_during_fit(
+                self.trainer, self.count_trainable_targets
+            )
+
+    def teardown(self, stage: str) -> None:
+        if self._restore_dataloader_processing is not None:
+            self._restore_dataloader_processing()
+            self._restore_dataloader_processing = None
+
+    def _step_trainable_tokens(self, batch: dict[str, Any]) -> Tensor:
+        """Trainable target tokens of this micro-batch's whole optimizer step, summed over all ranks."""
+        trainer = self.trainer
+        if STEP_TRAINABLE_TOKENS in batch:
+            tokens = batch[STEP_TRAINABLE_TOKENS]
+        elif trainer.accumulate_grad_batches == 1 and trainer.world_size == 1:
+            tokens = self.count_trainable_targets(batch)
+        else:
+            raise RuntimeError(
+                f"The batch has no {STEP_TRAINABLE_TOKENS!r}: with gradient accumulation or several ranks the "
+                "loss is divided by the trainable tokens of the whole optimizer step, which CausalLMModule.setup "
+                "arranges for the training dataloader. Call super().setup(stage) if you override setup."
+            )
+        tokens = torch.tensor(tokens, device=self.device)
+        if trainer.world_size > 1:
+            tokens = trainer.strategy.reduce(tokens, reduce_op="sum")
+        return tokens
+
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
-        # With several micro-batches or ranks per step, the loss returned for backward is the sum of token
-        # losses and on_before_optimizer_step divides the gradients by the trainable tokens of the whole step
-        # (all micro-batches, all ranks), which is only known once the step's last micro-batch has run.
-        self._rescale_gradients = self.trainer.accumulate_grad_batches > 1 or self.trainer.world_size > 1
-        if self._rescale_gradients:
-            trainable = (shift_targets(batch["labels"]) != IGNORE_INDEX).sum()
-            loss = self.compute_loss(batch, num_items=1)
-            self._step_trainable_tokens = self._step_trainable_tokens + trainable.detach()
-            mean = loss.detach() / trainable.clamp(min=1)
-        else:  # one micro-batch on one device: its own mean is the step's mean
-            loss = self.compute_loss(batch)
-            mean = loss.detach()
+        # The loss backpropagated is this micro-batch's sum of token losses divided by the trainable tokens of
+        # the whole optimizer step (all micro-batches, all ranks), times the factors Lightning (which divides
+        # by accumulate_grad_batches) and DDP / FSDP2 (which average gradients over ranks) divide by again.
+        scale = self.trainer.accumulate_grad_batches * self.trainer.world_size
+        loss_sum = self.compute_loss(batch, num_items=1)
+        loss = loss_sum * (scale / self._step_trainable_tokens(batch).clamp(min=1))
+        mean = loss_sum.detach() / (shift_targets(batch["labels"]) != IGNORE_INDEX).sum().clamp(min=1)
         self.train_tokens_seen += self.count_tokens(batch)
         value = mean.item()
         if self.first_train_loss is None:
@@ -297,25 +393,6 @@ class CausalLMModule(LightningModule):
         self.log("train/ppl", math.exp(min(value, 50.0)))
         self.log("train/tokens", float(self.train_tokens_seen))
         return loss
-
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Turn the accumulated gradient of summed token losses into that of the step's mean token loss.
-
-        Lightning divided each micro-batch loss by ``accumulate_grad_batches`` and DDP averaged over ranks, so
-        the factor undoing both and dividing by the global token count is ``accumulate * world / tokens``.
-        Runs before gradient clipping, so clipping sees the normalised gradients.
-        """
-        if not self._rescale_gradients:
-            return
-        tokens = self._step_trainable_tokens
-        if self.trainer.world_size > 1:
-            tokens = self.trainer.strategy.reduce(torch.as_tensor(tokens, device=self.device), reduce_op="sum")
-        factor = self.trainer.accumulate_grad_batches * self.trainer.world_size / torch.as_tensor(tokens).clamp(min=1)
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param.grad is not None:
-                    param.grad.mul_(factor.to(param.grad.device, param.grad.dtype))
-        self._step_trainable_tokens = 0
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._step_started_at = time.perf_counter()
@@ -384,7 +461,8 @@ class CausalLMModule(LightningModule):
             )
 
     def on_fit_end(self) -> None:
-        if self.hparams.export_dir and self.trainer.is_global_zero:
+        # A sharded model is gathered by every rank together; rank 0 writes it.
+        if self.hparams.export_dir and (self.trainer.is_global_zero or is_sharded(self.model)):
             path = self.export(self.hparams.export_dir)
             self.print(f"exported Hugging Face model to {path}")
 
@@ -394,7 +472,8 @@ class CausalLMModule(LightningModule):
             "first_train_loss": self.first_train_loss,
             "last_train_loss": self.last_train_loss,
         }
-        if self.adapter_only_checkpoints:
+        # A distributed checkpoint of a sharded run keeps every tensor: it is loaded key by key, frozen base included.
+        if self.adapter_only_checkpoints and not is_sharded(self.model):
             trainable = {f"model.{name}" for name, p in self.model.named_parameters() if p.requires_grad}
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
 
@@ -404,6 +483,12 @@ class CausalLMModule(LightningModule):
         self.first_train_loss = counters.get("first_train_loss")
         self.last_train_loss = counters.get("last_train_loss")
 
-    def export(self, directory: str | Path) -> Path:
-        """Write a Hugging Face directory (model with any adapter merged, and tokenizer) that ``from_pretrained`` loads."""
+    def export(self, directory: str | Path) -> Path | None:
+        """Write a Hugging Face directory (model with any adapter merged, and tokenizer) that ``from_pretrained`` loads.
+
+        A sharded model is gathered into rank 0's host memory and written there: every rank must call this,
+        and ranks other than 0 get ``None``.
+        """
+        if is_sharded(self.model):
+            return export_sharded_hf_directory(self.model, self.recipe, directory, self.tokenizer)
         return export_hf_directory(self.model, self.recipe, directory, self.tokenizer)
