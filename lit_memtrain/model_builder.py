@@ -208,6 +208,18 @@ def _move_to_meta(model: nn.Module) -> None:
                 module._buffers[name] = torch.empty_like(buffer, device="meta")
 
 
+def _share_parameters_as_in(model: nn.Module, copy: nn.Module) -> None:
+    """Tie the parameters of ``copy`` that are one parameter in ``model`` (``load_state_dict(assign=True)`` unties)."""
+    holders: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        holders.setdefault(id(param), []).append(name)
+    for first, *others in holders.values():
+        shared = copy.get_parameter(first)
+        for name in others:
+            owner_name, _, leaf = name.rpartition(".")
+            copy.get_submodule(owner_name)._parameters[leaf] = shared
+
+
 def _set_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:
     owner_name, _, leaf = name.rpartition(".")
     owner = module.get_submodule(owner_name)
@@ -274,10 +286,9 @@ def export_sharded_hf_directory(
         if is_peft_model(model):
             host = apply_lora(host, recipe.lora)
         host.load_state_dict(weights, assign=True)
+        _share_parameters_as_in(model, host)
         for name, buffer in model.named_buffers():
             _set_tensor(host, name, buffer.detach().to("cpu"))
-        if getattr(host.config, "tie_word_embeddings", False):
-            host.tie_weights()
         path = export_hf_directory(host, recipe, directory, tokenizer)
     dist.barrier()
     return path
