@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
-from lightning.pytorch import Callback, Trainer
+from lightning.pytorch import Callback, LightningDataModule, Trainer
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
@@ -61,6 +61,7 @@ class Case:
     precision: str = "32-true"
     export: bool = False
     prebuilt: bool = False
+    bf16: bool = False  # computes in bf16: compared with the fp32 reference to bf16's 3 significant digits
 
 
 def _module_kwargs(preset: str, **extra: Any) -> dict[str, Any]:
@@ -95,6 +96,8 @@ CASES: dict[str, Case] = {
     "accumulation_2": Case(_module_kwargs("tiny-qwen3"), accumulate=2, callbacks=lambda: [MemoryMonitor()]),
     "packed_rows_by_document": Case(_module_kwargs("tiny-llama", attn_implementation="sdpa_by_document"), packed=True),
     "model_built_before_fit": Case(_module_kwargs("tiny-llama"), prebuilt=True),
+    "bf16_compute_fp32_master_weights": Case(_module_kwargs("tiny-qwen3"), {"mixed_precision": "bf16"}, bf16=True),
+    "bf16_mixed_autocast": Case(_module_kwargs("tiny-llama"), precision="bf16-mixed", bf16=True),
 }
 
 
@@ -256,7 +259,8 @@ def _distributed_result(out: Path, name: str, file: str) -> dict[str, Any]:
 def _reference(case: Case, directory: Path) -> dict[str, Any]:
     directory.mkdir(parents=True, exist_ok=True)
     module = _new_module(case, directory, with_export=False)
-    single = Case(case.module, callbacks=case.callbacks, packed=case.packed, precision=case.precision)
+    # bf16 cases are compared with an fp32 run: the fp32 master weights are what FSDP2 keeps in bf16 compute.
+    single = Case(case.module, callbacks=case.callbacks, packed=case.packed)
     trainer = _trainer(single, Record(directory / "reference.pt"), directory, accelerator="cpu", devices=1)
     trainer.fit(module, DataLoader(_reference_batches(case), batch_size=None))
     return torch.load(directory / "reference.pt", weights_only=True)
@@ -264,6 +268,7 @@ def _reference(case: Case, directory: Path) -> dict[str, Any]:
 
 def _assert_close_to_reference(sharded: dict[str, Any], reference: dict[str, Any]) -> None:
     assert sharded["gradients"].keys() == reference["gradients"].keys()
+    assert all(value.dtype == torch.float32 for value in sharded["weights"].values())
     for name, expected in reference["gradients"].items():
         torch.testing.assert_close(sharded["gradients"][name], expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item(), msg=name)
     for name, expected in reference["weights"].items():
@@ -272,11 +277,25 @@ def _assert_close_to_reference(sharded: dict[str, Any], reference: dict[str, Any
         torch.testing.assert_close(sharded["weights"][name], expected, rtol=1e-3, atol=1e-3 * scale, msg=name)
 
 
+def _assert_bf16_close_to_fp32_reference(sharded: dict[str, Any], reference: dict[str, Any]) -> None:
+    """bf16 compute: the first loss to 1e-2 and each gradient to 3e-2 of its norm; fp32 master weights."""
+    assert sharded["gradients"].keys() == reference["gradients"].keys()
+    assert all(value.dtype == torch.float32 for value in sharded["weights"].values())
+    assert sharded["losses"][0] == pytest.approx(reference["losses"][0], rel=1e-2)
+    for name, expected in reference["gradients"].items():
+        error = (sharded["gradients"][name] - expected).norm() / expected.norm()
+        assert error < 3e-2, f"{name}: relative error {error:.3g}"
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_two_sharded_ranks_match_one_process(name, distributed_runs, tmp_path):
     case = CASES[name]
     sharded = _distributed_result(distributed_runs, name, "sharded.pt")
-    _assert_close_to_reference(sharded, _reference(case, tmp_path))
+    reference = _reference(case, tmp_path)
+    if case.bf16:
+        _assert_bf16_close_to_fp32_reference(sharded, reference)
+    else:
+        _assert_close_to_reference(sharded, reference)
 
 
 @pytest.mark.parametrize("name", [name for name, case in CASES.items() if case.export])
@@ -303,3 +322,29 @@ def test_a_resumed_sharded_run_reproduces_the_next_step_exactly(distributed_runs
         torch.testing.assert_close(resumed["weights"][name], expected, rtol=0, atol=0, msg=name)
     checkpoint = distributed_runs / "resume" / "checkpoint"
     assert len(list(checkpoint.glob("*.distcp"))) == WORLD  # each rank wrote its own shards
+
+
+class RowsOfEachRank(LightningDataModule):
+    def __init__(self, case: Case) -> None:
+        super().__init__()
+        self.case = case
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(_rank_batches(self.case, self.trainer.global_rank), batch_size=None)
+
+
+def test_a_forked_fit_returns_the_trained_weights_to_the_calling_process(tmp_path):
+    """Trainer(strategy=FSDP2Strategy(start_method="fork")): the notebook path, through Lightning's launcher."""
+    case = CASES["chunked_loss_tied_head"]
+    module = _new_module(case, tmp_path)
+    module.configure_model()
+    trainer = _trainer(
+        case, Record(tmp_path / "forked.pt"), tmp_path,
+        accelerator="cpu", devices=WORLD, strategy=FSDP2Strategy(start_method="fork"), use_distributed_sampler=False,
+    )
+    trainer.fit(module, datamodule=RowsOfEachRank(case))
+    weights = {name: p.detach() for name, p in module.named_parameters()}
+    assert not any(isinstance(value, DTensor) for value in weights.values())
+    _assert_close_to_reference(
+        {"weights": weights, "gradients": {}}, {**_reference(case, tmp_path / "reference"), "gradients": {}}
+    )
