@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from lightning.pytorch.cli import LightningCLI
 
@@ -49,11 +50,31 @@ def _export(argv: list[str]) -> None:
         prog="lit-memtrain export",
         description="Write a Hugging Face directory from a fit checkpoint, merging any LoRA adapter.",
     )
-    parser.add_argument("--checkpoint", required=True, help="a .ckpt written by lit-memtrain fit")
+    parser.add_argument(
+        "--checkpoint", required=True,
+        help="a .ckpt written by lit-memtrain fit, or the directory of a distributed checkpoint (FSDP2Strategy)",
+    )
     parser.add_argument("--output", required=True, help="directory to write (save_pretrained layout)")
     args = parser.parse_args(argv)
-    module = CausalLMModule.load_from_checkpoint(args.checkpoint, map_location="cpu", weights_only=False)
+    if Path(args.checkpoint).is_dir():
+        module = _load_distributed_checkpoint(Path(args.checkpoint))
+    else:
+        module = CausalLMModule.load_from_checkpoint(args.checkpoint, map_location="cpu", weights_only=False)
     print(f"exported {args.checkpoint} to {module.export(args.output)}")
+
+
+def _load_distributed_checkpoint(path: Path) -> CausalLMModule:
+    """The module of a distributed checkpoint (a directory of shards and ``meta.pt``), whole, in this process."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    metadata = torch.load(path / "meta.pt", map_location="cpu", weights_only=False)
+    module = CausalLMModule(**metadata["hyper_parameters"])
+    module.configure_model()
+    state = {"state_dict": module.state_dict()}
+    dcp.load(state, checkpoint_id=path, no_dist=True)  # reads the shards of every rank into the full tensors
+    module.load_state_dict(state["state_dict"])
+    return module
 
 
 _UNBOUNDED_LENGTH = 2**31 - 1

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
 from lit_memtrain.callbacks import ActivationOffloading, GradientCheckpointing, MemoryMonitor, TiledMLP
+from lit_memtrain.cli import main
 from lit_memtrain.datamodules.collate import PaddedCollator
 from lit_memtrain.datamodules.padding_free import PaddingFreeCollator
 from lit_memtrain.lora import LoraSettings
@@ -322,6 +323,14 @@ def test_a_resumed_sharded_run_reproduces_the_next_step_exactly(distributed_runs
         torch.testing.assert_close(resumed["weights"][name], expected, rtol=0, atol=0, msg=name)
     checkpoint = distributed_runs / "resume" / "checkpoint"
     assert len(list(checkpoint.glob("*.distcp"))) == WORLD  # each rank wrote its own shards
+
+
+def test_the_export_command_reads_a_distributed_checkpoint(distributed_runs, tmp_path):
+    first = _distributed_result(distributed_runs, "resume", "first.pt")
+    main(["export", "--checkpoint", str(distributed_runs / "resume" / "checkpoint"), "--output", str(tmp_path)])
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
+    for name, value in first["weights"].items():
+        torch.testing.assert_close(exported[name.removeprefix("model.")], value, rtol=0, atol=0, msg=name)
 
 
 class RowsOfEachRank(LightningDataModule):
