@@ -1,9 +1,9 @@
 """Benchmark: FSDP2Strategy on the CPU (2 ranks against 1) and the simulated per-rank peak of large models.
 
 CPU part (real runs, side by side in one invocation): a small Qwen3 (hidden 256, MLP 768, 4 layers,
-vocabulary 8192) trained for a few steps on rows of 1024 tokens, once in one process (Lightning's default
-strategy, all cores) and once with ``FSDP2Strategy`` over 2 ranks forked from this process (gloo, one
-thread per rank). Reported: tokens per second over all ranks (after a warm-up step) and the parameter
+vocabulary 8192) trained for a few steps on rows of 1024 tokens in one process (Lightning's default
+strategy) with one thread and with two, and with ``FSDP2Strategy`` over 2 ranks forked from this process
+(gloo, one thread per rank). Reported: tokens per second over all ranks (after a warm-up step) and the parameter
 bytes each rank holds, which sharding must halve.
 
 Simulated part (:func:`lit_memtrain.planner.sharded.simulate_sharded_step`, fake tensors, torch's own
@@ -37,7 +37,7 @@ SMALL_QWEN3 = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers"
                "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 8192}
 
 
-def _cpu_run(ranks: int, seq_len: int, steps: int, result_path: str) -> None:
+def _cpu_run(ranks: int, threads: int, seq_len: int, steps: int, result_path: str) -> None:
     from lightning.pytorch import Callback, Trainer
     from torch.distributed.tensor import DTensor
     from torch.utils.data import DataLoader
@@ -65,6 +65,7 @@ def _cpu_run(ranks: int, seq_len: int, steps: int, result_path: str) -> None:
         {"input_ids": ids, "labels": ids.clone()}
         for ids in torch.randint(0, SMALL_QWEN3["vocab_size"], (steps * ranks, seq_len), generator=generator)
     ]
+    torch.set_num_threads(threads)  # forked ranks: Lightning sets one thread each
     torch.manual_seed(0)
     module = CausalLMModule(preset="qwen3-1.7b", config_overrides=SMALL_QWEN3, learning_rate=1e-4)
     options = {"strategy": FSDP2Strategy(start_method="fork"), "devices": ranks} if ranks > 1 else {"devices": 1}
@@ -75,21 +76,24 @@ def _cpu_run(ranks: int, seq_len: int, steps: int, result_path: str) -> None:
     trainer.fit(module, DataLoader(rows, batch_size=1, collate_fn=lambda b: {k: v[None] for k, v in b[0].items()}))
 
 
+CPU_RUNS = [("1 process, 1 thread", 1, 1), ("1 process, 2 threads", 1, 2), ("FSDP2, 2 ranks x 1 thread", 2, 1)]
+
+
 def cpu_table(seq_len: int, steps: int) -> None:
     results = {}
     with tempfile.TemporaryDirectory() as directory:
-        for ranks in (1, 2):
-            path = os.path.join(directory, f"{ranks}.json")
-            _cpu_run(ranks, seq_len, steps, path)
-            results[ranks] = json.loads(Path(path).read_text())
-    one, two = results[1], results[2]
+        for name, ranks, threads in CPU_RUNS:
+            path = os.path.join(directory, "result.json")
+            _cpu_run(ranks, threads, seq_len, steps, path)
+            results[name] = json.loads(Path(path).read_text())
+    one = results[CPU_RUNS[0][0]]
     print(f"\nCPU, small Qwen3 (hidden 256, 4 layers, vocabulary 8192), {seq_len} tokens per row, {steps} steps, "
           f"{os.cpu_count()} cores")
     print("| run | tokens/s (all ranks) | parameter bytes per rank |")
     print("|---|---|---|")
-    print(f"| 1 process | {one['tokens_per_sec']:.0f} | {one['parameter_bytes']:,} |")
-    print(f"| FSDP2, 2 ranks | {two['tokens_per_sec']:.0f} ({two['tokens_per_sec'] / one['tokens_per_sec']:.2f}x) | "
-          f"{two['parameter_bytes']:,} ({two['parameter_bytes'] / one['parameter_bytes']:.3f}x) |")
+    for name, result in results.items():
+        print(f"| {name} | {result['tokens_per_sec']:.0f} ({result['tokens_per_sec'] / one['tokens_per_sec']:.2f}x) | "
+              f"{result['parameter_bytes']:,} ({result['parameter_bytes'] / one['parameter_bytes']:.3f}x) |")
 
 
 def _simulate(model: str, seq_len: int, gpus: int, offload: bool) -> dict:
