@@ -301,6 +301,8 @@ class CausalLMModule(LightningModule):
     @torch.no_grad()
     def token_losses(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor]:
         """Per-token loss, correctness of the argmax prediction, and position in document, for trainable targets."""
+        if self.hparams.loss_type == "nll":  # calls the model itself
+            return self._token_losses(batch)
         return self._in_root_forward(self._token_losses, batch)
 
     def _token_losses(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor]:

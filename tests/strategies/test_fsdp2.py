@@ -62,6 +62,7 @@ class Case:
     precision: str = "32-true"
     export: bool = False
     prebuilt: bool = False
+    validate: bool = False  # also validate at the end (each rank on its own rows)
     bf16: bool = False  # computes in bf16: compared with the fp32 reference to bf16's 3 significant digits
 
 
@@ -74,9 +75,9 @@ def _offloaded_activations() -> list[Callback]:
 
 
 CASES: dict[str, Case] = {
-    "plain_loss": Case(_module_kwargs("tiny-llama", loss_type="nll")),
+    "plain_loss": Case(_module_kwargs("tiny-llama", loss_type="nll"), validate=True),
     "chunked_loss_tied_head": Case(_module_kwargs("tiny-qwen3", loss_chunk_size=5)),
-    "chunked_loss_untied_head": Case(_module_kwargs("tiny-llama", loss_chunk_size=5), export=True),
+    "chunked_loss_untied_head": Case(_module_kwargs("tiny-llama", loss_chunk_size=5), export=True, validate=True),
     "cpu_offload": Case(_module_kwargs("tiny-qwen3"), {"cpu_offload": True}),
     "checkpointing_full": Case(_module_kwargs("tiny-qwen3"), callbacks=lambda: [GradientCheckpointing()]),
     "checkpointing_selective_cpu_offload": Case(
@@ -117,6 +118,10 @@ def _collate(examples: list[dict[str, list[int]]], packed: bool) -> dict[str, An
     return PaddingFreeCollator(pad_token_id=0)(examples) if packed else PaddedCollator(pad_token_id=0)(examples)
 
 
+def _validation_batches(ranks: range) -> list[dict[str, Any]]:
+    return [_collate([row for rank in ranks for row in _examples(STEPS, rank, 0)], packed=False)]
+
+
 def _rank_batches(case: Case, rank: int) -> list[dict[str, Any]]:
     return [
         _collate(_examples(step, rank, micro), case.packed) for step in range(STEPS) for micro in range(case.accumulate)
@@ -144,6 +149,7 @@ class Record(Callback):
         self.path = path
         self.gradients: dict[str, torch.Tensor] | None = None
         self.losses: list[float] = []
+        self.validation_losses: list[float] = []
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.gradients is None:
@@ -153,10 +159,14 @@ class Record(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(pl_module.last_train_loss)
 
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self.validation_losses.append(float(trainer.callback_metrics["val/loss"]))
+
     def on_train_end(self, trainer, pl_module) -> None:
         weights = {name: _full(p) for name, p in pl_module.named_parameters()}
         if trainer.is_global_zero:
-            torch.save({"gradients": self.gradients, "weights": weights, "losses": self.losses}, self.path)
+            record = {"gradients": self.gradients, "weights": weights, "losses": self.losses}
+            torch.save({**record, "validation_losses": self.validation_losses}, self.path)
 
 
 def _trainer(case: Case, record: Record, root: Path, max_steps: int = STEPS, **options: Any) -> Trainer:
@@ -190,7 +200,8 @@ def _run_distributed_case(name: str, case: Case, rank: int, out: Path) -> None:
         case, Record(directory / "sharded.pt"), directory,
         accelerator="cpu", devices=WORLD, strategy=FSDP2Strategy(**case.strategy), use_distributed_sampler=False,
     )
-    trainer.fit(module, DataLoader(_rank_batches(case, rank), batch_size=None))
+    validation = DataLoader(_validation_batches(range(rank, rank + 1)), batch_size=None) if case.validate else None
+    trainer.fit(module, DataLoader(_rank_batches(case, rank), batch_size=None), validation)
 
 
 def _run_resume_case(rank: int, out: Path) -> None:
@@ -263,7 +274,8 @@ def _reference(case: Case, directory: Path) -> dict[str, Any]:
     # bf16 cases are compared with an fp32 run: the fp32 master weights are what FSDP2 keeps in bf16 compute.
     single = Case(case.module, callbacks=case.callbacks, packed=case.packed)
     trainer = _trainer(single, Record(directory / "reference.pt"), directory, accelerator="cpu", devices=1)
-    trainer.fit(module, DataLoader(_reference_batches(case), batch_size=None))
+    validation = DataLoader(_validation_batches(range(WORLD)), batch_size=None) if case.validate else None
+    trainer.fit(module, DataLoader(_reference_batches(case), batch_size=None), validation)
     return torch.load(directory / "reference.pt", weights_only=True)
 
 
@@ -297,6 +309,9 @@ def test_two_sharded_ranks_match_one_process(name, distributed_runs, tmp_path):
         _assert_bf16_close_to_fp32_reference(sharded, reference)
     else:
         _assert_close_to_reference(sharded, reference)
+    # Validation (each rank on its own rows, the metric reduced over both) is the token mean of all rows.
+    assert len(sharded["validation_losses"]) == int(case.validate)
+    assert sharded["validation_losses"] == pytest.approx(reference["validation_losses"], rel=1e-5)
 
 
 @pytest.mark.parametrize("name", [name for name, case in CASES.items() if case.export])
