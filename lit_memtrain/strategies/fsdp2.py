@@ -29,7 +29,7 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
 from typing_extensions import override
 
 from lit_memtrain.strategies.parallelize import parallelize
@@ -59,7 +59,7 @@ def _dtype(value: Any, field: str) -> torch.dtype | None:
     return _DTYPE_NAMES[value]
 
 
-def mixed_precision_policy(value: str | dict[str, Any] | MixedPrecisionPolicy | None) -> MixedPrecisionPolicy | None:
+def _mixed_precision_policy(value: str | dict[str, Any] | MixedPrecisionPolicy | None) -> MixedPrecisionPolicy | None:
     """The FSDP2 policy for ``FSDP2Strategy(mixed_precision=...)``.
 
     A dtype name (``"bf16"``) gathers parameters in that dtype for compute and reduces gradients in fp32; a
@@ -157,7 +157,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self.mp_policy = mixed_precision_policy(mixed_precision)
+        self.mp_policy = _mixed_precision_policy(mixed_precision)
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
         self.start_method = start_method
@@ -236,11 +236,44 @@ class FSDP2Strategy(ModelParallelStrategy):
         if not self.cpu_offload:
             self.model.to(self.root_device)
             return
-        # Sharded parameters stay in host memory; buffers (RoPE frequencies) are used on the device.
-        for module in self.model.modules():
+        # Sharded parameters stay in host memory (FSDP2 requires it); the rest (buffers such as RoPE
+        # frequencies, metric states, the LightningModule's own device) goes to the device.
+        sharded = [module for module in self.model.modules() if isinstance(module, FSDPModule)]
+        outermost = [
+            module for module in sharded if not any(other is not module and _contains(other, module) for other in sharded)
+        ]
+        _to_device_except(self.model, self.root_device, outermost)
+
+
+def _contains(parent: nn.Module, child: nn.Module) -> bool:
+    return any(module is child for module in parent.modules())
+
+
+def _to_device_except(model: nn.Module, device: torch.device, keep: list[nn.Module]) -> None:
+    """``model.to(device)``, except that the parameters of the modules in ``keep`` stay where they are.
+
+    The modules in ``keep`` are taken out of the tree while ``model`` moves (so a LightningModule's device
+    and everything else follow as usual), then put back; their buffers are moved on their own.
+    """
+    slots = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent._modules.items()
+        if any(child is kept for kept in keep)
+    ]
+    for parent, name, _ in slots:
+        parent._modules[name] = None
+    try:
+        if not any(model is kept for kept in keep):
+            model.to(device)
+    finally:
+        for parent, name, child in slots:
+            parent._modules[name] = child
+    for kept in keep:
+        for module in kept.modules():
             for name, buffer in module._buffers.items():
                 if buffer is not None:
-                    module._buffers[name] = buffer.to(self.root_device)
+                    module._buffers[name] = buffer.to(device)
 
 
 class _ForkLauncher(_MultiProcessingLauncher):

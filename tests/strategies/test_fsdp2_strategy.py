@@ -102,3 +102,26 @@ def test_run_inside_forward_calls_the_function_through_the_module_hooks_and_rest
     assert run_inside_forward(layer, lambda x: x * 2, torch.ones(1)).item() == 2.0
     assert len(seen) == 1 and "forward" not in vars(layer)
     assert layer(torch.ones(2)).shape == (2,)
+
+
+def test_with_cpu_offload_everything_but_the_sharded_parameters_follows_the_device():
+    """What ``model_to_device`` does with cpu_offload, shown with ``meta`` as the device: the kept module's
+    parameters stay in host memory, its buffers, the metric states and the LightningModule's device move."""
+    from lightning.pytorch import LightningModule
+    from torchmetrics import MeanMetric
+
+    from lit_memtrain.strategies.fsdp2 import _to_device_except
+
+    class Module(LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.metric = MeanMetric()
+            self.sharded = torch.nn.Linear(2, 2)
+            self.sharded.register_buffer("frequencies", torch.ones(2), persistent=False)
+            self.other = torch.nn.Linear(2, 2)
+
+    module = Module()
+    _to_device_except(module, torch.device("meta"), [module.sharded])
+    assert module.sharded.weight.device.type == "cpu" and module.sharded.frequencies.device.type == "meta"
+    assert module.other.weight.device.type == "meta" and module.metric.mean_value.device.type == "meta"
+    assert module.device.type == "meta" and module.sharded is module._modules["sharded"]
