@@ -103,8 +103,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         mixed_precision: ``"bf16"`` gathers the parameters in bf16 for compute while the sharded (master)
             parameters stay in the model's dtype and gradients are reduced in fp32; a dict sets the
             ``MixedPrecisionPolicy`` fields by name; ``None`` computes in the model's dtype.
-        reshard_after_forward: free each layer's gathered parameters after its forward (``False``: keep them
-            until its backward, one all-gather less per layer and one layer's parameters more per layer).
+        reshard_after_forward: free each layer's gathered parameters after its forward and gather them again
+            for its backward (``False``: every layer keeps them from its forward to its backward, one
+            all-gather less per layer for the memory of all layers' gathered parameters).
         cpu_offload: keep sharded parameters, gradients and optimizer state in host memory (pinned on CUDA)
             and step the optimizer there.
         save_distributed_checkpoint: each rank writes its shards (a checkpoint directory); ``False`` gathers
