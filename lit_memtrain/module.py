@@ -361,7 +361,11 @@ class CausalLMModule(LightningModule):
             self._restore_dataloader_processing = None
 
     def _step_trainable_tokens(self, batch: dict[str, Any]) -> Tensor:
-        """Trainable target tokens of this micro-batch's whole optimizer step, summed over all ranks."""
+        """Trainable target tokens of this micro-batch's whole optimizer step, summed over the ranks' rows.
+
+        Summed over the ``data_parallel`` dimension of the strategy's device mesh when it has one (ranks that
+        share rows, such as a context-parallel group, count them once), else over all ranks.
+        """
         trainer = self.trainer
         if STEP_TRAINABLE_TOKENS in batch:
             tokens = batch[STEP_TRAINABLE_TOKENS]
@@ -375,7 +379,9 @@ class CausalLMModule(LightningModule):
             )
         tokens = torch.tensor(tokens, device=self.device)
         if trainer.world_size > 1:
-            tokens = trainer.strategy.reduce(tokens, reduce_op="sum")
+            mesh = self.device_mesh
+            group = mesh["data_parallel"].get_group() if mesh is not None else None
+            tokens = trainer.strategy.reduce(tokens, group=group, reduce_op="sum")
         return tokens
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
