@@ -83,7 +83,9 @@ CASES: dict[str, Case] = {
     "checkpointing_selective_cpu_offload": Case(
         _module_kwargs("tiny-llama"), {"cpu_offload": True}, lambda: [GradientCheckpointing(selective=True)]
     ),
-    "checkpointing_offload": Case(_module_kwargs("tiny-qwen3"), callbacks=lambda: [GradientCheckpointing(offload=True)]),
+    "checkpointing_offload_tiled_mlp": Case(
+        _module_kwargs("tiny-qwen3"), callbacks=lambda: [GradientCheckpointing(offload=True), TiledMLP(num_tiles=2)]
+    ),
     "tiled_mlp_cpu_offload": Case(_module_kwargs("tiny-qwen3"), {"cpu_offload": True}, lambda: [TiledMLP(num_tiles=3)]),
     "activation_offloading": Case(_module_kwargs("tiny-llama"), callbacks=_offloaded_activations),
     "all_callbacks_cpu_offload_keep_unsharded": Case(
