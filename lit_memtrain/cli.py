@@ -88,7 +88,10 @@ def _export(argv: list[str]) -> None:
         prog="lit-memtrain export",
         description="Write a Hugging Face directory from a fit checkpoint, merging any LoRA adapter.",
     )
-    parser.add_argument("--checkpoint", required=True, help="a .ckpt written by lit-memtrain fit")
+    parser.add_argument(
+        "--checkpoint", required=True,
+        help="a .ckpt written by lit-memtrain fit, or the directory of a distributed checkpoint (FSDP2Strategy)",
+    )
     parser.add_argument("--output", required=True, help="directory to write (save_pretrained layout)")
     args = parser.parse_args(argv)
     try:

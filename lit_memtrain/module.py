@@ -15,6 +15,7 @@ import importlib.util
 import math
 import pickle
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
@@ -22,21 +23,33 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch import Tensor
+from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from transformers import PreTrainedModel
 
 from lit_memtrain.attention import SDPA_BY_DOCUMENT, VARLEN_BY_DOCUMENT, choose_document_attention
 from lit_memtrain.lora import LoraSettings, apply_lora, head_weight
 from lit_memtrain.loss import IGNORE_INDEX, chunked_cross_entropy, cross_entropy, transform_logits
-from lit_memtrain.model_builder import ModelRecipe, build_causal_lm, check_tokenizer_fits_model, export_hf_directory
+from lit_memtrain.model_builder import (
+    ModelRecipe,
+    build_causal_lm,
+    build_causal_lm_skeleton,
+    check_tokenizer_fits_model,
+    export_hf_directory,
+    export_sharded_hf_directory,
+    load_sharded,
+)
 from lit_memtrain.moe import load_balancing_loss, router_aux_coefficient
 from lit_memtrain.optim import instantiate
 from lit_memtrain.probes import LogitTransform, probe_document_isolation, probe_logit_transform
+from lit_memtrain.step_tokens import STEP_TRAINABLE_TOKENS, count_step_tokens_during_fit
+from lit_memtrain.strategies.fsdp2 import FSDP2Strategy
+from lit_memtrain.strategies.parallelize import is_sharded, run_inside_forward
 from lit_memtrain.throughput import attention_pairs, count_tokens, peak_flops, training_flops
 
-_BATCH_ONLY_KEYS = ("labels", "num_trainable_tokens", "num_tokens", "seq_lengths")
+_BATCH_ONLY_KEYS = ("labels", "num_trainable_tokens", "num_tokens", "seq_lengths", STEP_TRAINABLE_TOKENS)
 _VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 # Attention implementations whose padding-free rows equal per-document runs in this project's tests
 # (tests/test_module_padding_free.py, tests/test_attention.py); any other is probed once at setup.
@@ -133,11 +146,14 @@ class CausalLMModule(LightningModule):
     utilisation: :mod:`lit_memtrain.throughput`).
 
     Loss normalisation: every optimizer step trains on the mean loss of all its trainable target tokens,
-    across gradient-accumulation micro-batches and DDP ranks, so each token weighs the same however the
-    tokens fall into micro-batches (``train/loss`` shows each micro-batch's own mean).
+    across gradient-accumulation micro-batches and data-parallel ranks, so each token weighs the same however
+    the tokens fall into micro-batches (``train/loss`` shows each micro-batch's own mean). The step's count
+    is known before its first backward (:mod:`lit_memtrain.step_tokens`), so every gradient (clipping,
+    callbacks, GradScaler) is the gradient of that mean.
 
     The model is built in :meth:`configure_model`, which Lightning calls inside the strategy's device context
-    (directly on the training device); outside a ``Trainer``, call ``module.configure_model()`` first.
+    (directly on the training device); outside a ``Trainer``, call ``module.configure_model()`` first. Under
+    :class:`~lit_memtrain.strategies.FSDP2Strategy` it is sharded as it is built: see :meth:`configure_model`.
 
     Setup probes (:mod:`lit_memtrain.probes`), a few tokens without gradients, run once: in a ``Trainer`` from
     ``on_fit_start`` / ``on_validation_start`` (the logit probe) and at the first padding-free batch
@@ -211,8 +227,7 @@ class CausalLMModule(LightningModule):
         self.adapter_only_checkpoints = lora is not None and bool(model)
         self.strict_loading = not self.adapter_only_checkpoints
         self._tokens_seen: int | Tensor = 0
-        self._step_trainable_tokens: Tensor | int = 0
-        self._rescale_gradients = False
+        self._restore_dataloader_processing: Callable[[], None] | None = None
         self._first_loss: Tensor | None = None
         self._last_loss: Tensor | None = None
         self._window_started_at = 0.0
@@ -229,17 +244,51 @@ class CausalLMModule(LightningModule):
         """Build the model (and its LoRA adapter) once; Lightning calls this inside the strategy's device context.
 
         Outside a ``Trainer`` (a notebook, a test), call it yourself before using ``module.model``.
+
+        Under :class:`~lit_memtrain.strategies.FSDP2Strategy` the model is built sharded: global rank 0 loads
+        (or initialises) the full model in host memory, the other ranks build it on the meta device; every
+        rank shards it (:meth:`FSDP2Strategy.parallelize`: each decoder layer, then the root) and receives its
+        shards from rank 0 one tensor at a time (:func:`~lit_memtrain.model_builder.load_sharded`), so no
+        device ever holds the whole model. A model built before the fit (``configure_model()`` called
+        outside the Trainer) is sharded the same way, rank 0's copy being the source.
         """
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if isinstance(strategy, FSDP2Strategy):
+            if not is_sharded(self.model):
+                self.model = self._build_sharded_model(strategy)
+            return
+        if isinstance(strategy, ModelParallelStrategy):
+            raise TypeError(
+                f"CausalLMModule does not parallelise itself under {type(strategy).__name__}; use "
+                "lit_memtrain.strategies.FSDP2Strategy (sharded data parallelism, with host offload if needed)."
+            )
         if self.model is not None:
             return
-        model = build_causal_lm(self.recipe, self.tokenizer)
+        self.model = self._build_model(build_causal_lm)
+
+    def _build_model(self, build: Callable[[ModelRecipe, Any], nn.Module]) -> nn.Module:
+        model = build(self.recipe, self.tokenizer)
         if self.recipe.attn_implementation is None:
             self._choose_attention(model)
         if self.tokenizer is not None:
             check_tokenizer_fits_model(model, self.tokenizer, self.hparams.tokenizer, self.recipe)
         if self.lora is not None:
             model = apply_lora(model, self.lora)
-        self.model = model.train()  # from_pretrained returns eval mode, which Lightning would keep through fit
+        return model.train()  # from_pretrained returns eval mode, which Lightning would keep through fit
+
+    def _build_sharded_model(self, strategy: FSDP2Strategy) -> nn.Module:
+        if self.recipe.quantized:
+            raise ValueError(
+                "QLoRA (lora.quantize) is not supported with FSDP2Strategy: its 4/8-bit weights cannot be sharded "
+                "by FSDP2. Train a plain LoRA adapter (drop lora.quantize) or QLoRA on one GPU without the strategy."
+            )
+        model = self.model
+        if model is None and strategy.global_rank == 0:
+            with torch.device("cpu"):
+                model = self._build_model(build_causal_lm)
+        elif model is None:
+            model = self._build_model(build_causal_lm_skeleton)
+        return load_sharded(model, strategy.parallelize, strategy.parameter_device, strategy.root_device)
 
     def _choose_attention(self, model: PreTrainedModel) -> None:
         """Switch a model built with transformers' default attention to the fastest one that keeps packed
@@ -296,6 +345,17 @@ class CausalLMModule(LightningModule):
     def _lm_head_weight(self) -> tuple[Tensor, Tensor | None]:
         return head_weight(self.model.get_output_embeddings())
 
+    def _in_root_forward(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` where the model's root parameters are usable.
+
+        Under FSDP2 the embeddings and LM head are gathered only inside the root module's forward, and the
+        chunked loss reads the head's weight and calls the decoder directly: run it as the root's forward
+        (the head is then gathered once per step, not once per chunk).
+        """
+        if is_sharded(self.model):
+            return run_inside_forward(self.model, fn, *args)
+        return fn(*args)
+
     def _hidden_and_head(
         self, batch: dict[str, Any], output_router_logits: bool = False
     ) -> tuple[Tensor, Tensor, Tensor | None, tuple[Tensor, ...] | None]:
@@ -337,12 +397,7 @@ class CausalLMModule(LightningModule):
             loss = cross_entropy(outputs.logits.flatten(0, 1), targets, num_items)
             aux = getattr(outputs, "aux_loss", None) if coefficient else None
         else:
-            hidden, weight, bias, router_logits = self._hidden_and_head(batch, output_router_logits=bool(coefficient))
-            transform = self._logit_transform
-            loss = chunked_cross_entropy(
-                hidden, weight, targets, num_items, self.hparams.loss_chunk_size, transform.softcap, bias, transform.scale
-            )
-            aux = load_balancing_loss(self.model, router_logits, batch.get("attention_mask")) if coefficient else None
+            loss, aux = self._in_root_forward(self._chunked_loss, batch, targets, num_items, coefficient)
         if not coefficient:
             return loss
         if aux is None:
@@ -354,10 +409,27 @@ class CausalLMModule(LightningModule):
         share = trainable / (trainable if num_items is None else torch.as_tensor(num_items, device=trainable.device)).clamp(min=1)
         return loss + coefficient * aux.to(loss.device) * share
 
+    def _chunked_loss(
+        self, batch: dict[str, Any], targets: Tensor, num_items: int | Tensor | None, coefficient: float
+    ) -> tuple[Tensor, Tensor | None]:
+        """The chunked cross-entropy and, with a non-zero ``coefficient``, the router load-balancing loss."""
+        hidden, weight, bias, router_logits = self._hidden_and_head(batch, output_router_logits=bool(coefficient))
+        transform = self._logit_transform
+        loss = chunked_cross_entropy(
+            hidden, weight, targets, num_items, self.hparams.loss_chunk_size, transform.softcap, bias, transform.scale
+        )
+        aux = load_balancing_loss(self.model, router_logits, batch.get("attention_mask")) if coefficient else None
+        return loss, aux
+
     @torch.no_grad()
     def token_losses(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor]:
         """Per-token loss, correctness of the argmax prediction, and position in document, for trainable targets."""
         self.run_setup_probes(batch)
+        if self.hparams.loss_type == "nll":  # calls the model itself
+            return self._token_losses(batch)
+        return self._in_root_forward(self._token_losses, batch)
+
+    def _token_losses(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor]:
         targets = shift_targets(batch["labels"]).flatten()
         keep = targets != IGNORE_INDEX
         if "position_ids" in batch:
@@ -391,19 +463,54 @@ class CausalLMModule(LightningModule):
         """Real (non-padding) input tokens in a batch (a device sync when they are counted on a device)."""
         return int(count_tokens(batch))
 
+    @staticmethod
+    def count_trainable_targets(batch: dict[str, Any]) -> int:
+        """Target tokens the loss of ``batch`` sums over (labels after the shift that are not -100)."""
+        return int((shift_targets(batch["labels"]) != IGNORE_INDEX).sum())
+
+    def setup(self, stage: str) -> None:
+        if stage == "fit":
+            self._restore_dataloader_processing = count_step_tokens_during_fit(
+                self.trainer, self.count_trainable_targets
+            )
+
+    def teardown(self, stage: str) -> None:
+        if self._restore_dataloader_processing is not None:
+            self._restore_dataloader_processing()
+            self._restore_dataloader_processing = None
+
+    def _step_trainable_tokens(self, batch: dict[str, Any]) -> Tensor:
+        """Trainable target tokens of this micro-batch's whole optimizer step, summed over the ranks' rows.
+
+        Summed over the ``data_parallel`` dimension of the strategy's device mesh when it has one (ranks that
+        share rows, such as a context-parallel group, count them once), else over all ranks.
+        """
+        trainer = self.trainer
+        if STEP_TRAINABLE_TOKENS in batch:
+            tokens = batch[STEP_TRAINABLE_TOKENS]
+        elif trainer.accumulate_grad_batches == 1 and trainer.world_size == 1:
+            tokens = self.count_trainable_targets(batch)
+        else:
+            raise RuntimeError(
+                f"The batch has no {STEP_TRAINABLE_TOKENS!r}: with gradient accumulation or several ranks the "
+                "loss is divided by the trainable tokens of the whole optimizer step, which CausalLMModule.setup "
+                "arranges for the training dataloader. Call super().setup(stage) if you override setup."
+            )
+        tokens = torch.tensor(tokens, device=self.device)
+        if trainer.world_size > 1:
+            mesh = self.device_mesh
+            group = mesh["data_parallel"].get_group() if mesh is not None else None
+            tokens = trainer.strategy.reduce(tokens, group=group, reduce_op="sum")
+        return tokens
+
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
-        # With several micro-batches or ranks per step, the loss returned for backward is the sum of token
-        # losses and on_before_optimizer_step divides the gradients by the trainable tokens of the whole step
-        # (all micro-batches, all ranks), which is only known once the step's last micro-batch has run.
-        self._rescale_gradients = self.trainer.accumulate_grad_batches > 1 or self.trainer.world_size > 1
-        if self._rescale_gradients:
-            trainable = (shift_targets(batch["labels"]) != IGNORE_INDEX).sum()
-            loss = self.compute_loss(batch, num_items=1)
-            self._step_trainable_tokens = self._step_trainable_tokens + trainable.detach()
-            mean = loss.detach() / trainable.clamp(min=1)
-        else:  # one micro-batch on one device: its own mean is the step's mean
-            loss = self.compute_loss(batch)
-            mean = loss.detach()
+        # The loss backpropagated is this micro-batch's sum of token losses divided by the trainable tokens of
+        # the whole optimizer step (all micro-batches, all ranks), times the factors Lightning (which divides
+        # by accumulate_grad_batches) and DDP / FSDP2 (which average gradients over ranks) divide by again.
+        scale = self.trainer.accumulate_grad_batches * self.trainer.world_size
+        loss_sum = self.compute_loss(batch, num_items=1)
+        loss = loss_sum * (scale / self._step_trainable_tokens(batch).clamp(min=1))
+        mean = loss_sum.detach() / (shift_targets(batch["labels"]) != IGNORE_INDEX).sum().clamp(min=1)
         if self._first_loss is None:  # kept on the device: reading it now would wait for the step to finish
             self._first_loss = mean
         self._last_loss = mean
@@ -412,25 +519,6 @@ class CausalLMModule(LightningModule):
         seen = self._tokens_seen
         self.log("train/tokens", seen.float() if isinstance(seen, Tensor) else float(seen))
         return loss
-
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Turn the accumulated gradient of summed token losses into that of the step's mean token loss.
-
-        Lightning divided each micro-batch loss by ``accumulate_grad_batches`` and DDP averaged over ranks, so
-        the factor undoing both and dividing by the global token count is ``accumulate * world / tokens``.
-        Runs before gradient clipping, so clipping sees the normalised gradients.
-        """
-        if not self._rescale_gradients:
-            return
-        tokens = self._step_trainable_tokens
-        if self.trainer.world_size > 1:
-            tokens = self.trainer.strategy.reduce(torch.as_tensor(tokens, device=self.device), reduce_op="sum")
-        factor = self.trainer.accumulate_grad_batches * self.trainer.world_size / torch.as_tensor(tokens).clamp(min=1)
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param.grad is not None:
-                    param.grad.mul_(factor.to(param.grad.device, param.grad.dtype))
-        self._step_trainable_tokens = 0
 
     @property
     def first_train_loss(self) -> float | None:
@@ -589,7 +677,8 @@ class CausalLMModule(LightningModule):
             )
 
     def on_fit_end(self) -> None:
-        if self.hparams.export_dir and self.trainer.is_global_zero:
+        # A sharded model is gathered by every rank together; rank 0 writes it.
+        if self.hparams.export_dir and (self.trainer.is_global_zero or is_sharded(self.model)):
             path = self.export(self.hparams.export_dir)
             self.print(f"exported Hugging Face model to {path}")
 
@@ -599,7 +688,8 @@ class CausalLMModule(LightningModule):
             "first_train_loss": self.first_train_loss,
             "last_train_loss": self.last_train_loss,
         }
-        if self.adapter_only_checkpoints:
+        # A distributed checkpoint of a sharded run keeps every tensor: it is loaded key by key, frozen base included.
+        if self.adapter_only_checkpoints and not is_sharded(self.model):
             trainable = {f"model.{name}" for name, p in self.model.named_parameters() if p.requires_grad}
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
 
@@ -609,19 +699,31 @@ class CausalLMModule(LightningModule):
         self.first_train_loss = counters.get("first_train_loss")
         self.last_train_loss = counters.get("last_train_loss")
 
-    def export(self, directory: str | Path) -> Path:
-        """Write a Hugging Face directory (model with any adapter merged, and tokenizer) that ``from_pretrained`` loads."""
+    def export(self, directory: str | Path) -> Path | None:
+        """Write a Hugging Face directory (model with any adapter merged, and tokenizer) that ``from_pretrained`` loads.
+
+        A sharded model is gathered into rank 0's host memory and written there: every rank must call this,
+        and ranks other than 0 get ``None``.
+        """
+        if is_sharded(self.model):
+            return export_sharded_hf_directory(self.model, self.recipe, directory, self.tokenizer)
         return export_hf_directory(self.model, self.recipe, directory, self.tokenizer)
 
 
 def load_checkpoint(path: str | Path, map_location: str = "cpu") -> CausalLMModule:
-    """``CausalLMModule.load_from_checkpoint`` with ``weights_only=True``: tensors, plain values and this
-    project's own hyper-parameter types only, so an untrusted ``.ckpt`` cannot run code while it loads.
+    """Load a checkpoint written by a fit, with ``weights_only=True``: tensors, plain values and this project's
+    own hyper-parameter types only, so an untrusted checkpoint cannot run code while it loads.
+
+    ``path`` is a ``.ckpt`` file, or the directory of a distributed checkpoint (written under
+    :class:`~lit_memtrain.strategies.FSDP2Strategy`), whose every rank's shards are read into one whole model
+    in this process.
 
     Raises:
         pickle.UnpicklingError: the checkpoint holds anything else, with what was found and what to do.
     """
     try:
+        if Path(path).is_dir():
+            return _load_distributed_checkpoint(Path(path))
         return CausalLMModule.load_from_checkpoint(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as error:
         found = next((line.strip() for line in str(error).splitlines() if "GLOBAL" in line or "global" in line), "")
@@ -632,3 +734,15 @@ def load_checkpoint(path: str | Path, map_location: str = "cpu") -> CausalLMModu
             "it, load it in Python with CausalLMModule.load_from_checkpoint(path, weights_only=False)."
         ) from error
 
+
+def _load_distributed_checkpoint(path: Path) -> CausalLMModule:
+    """The module of a distributed checkpoint (a directory of shards and ``meta.pt``), whole, in this process."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = torch.load(path / "meta.pt", map_location="cpu", weights_only=True)
+    module = CausalLMModule(**metadata["hyper_parameters"])
+    module.configure_model()
+    state = {"state_dict": module.state_dict()}
+    dcp.load(state, checkpoint_id=path, no_dist=True)  # reads the shards of every rank into the full tensors
+    module.load_state_dict(state["state_dict"])
+    return module

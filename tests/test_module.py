@@ -202,28 +202,10 @@ def test_bf16_trainable_weights_warn_about_lost_updates():
 
 
 def test_gradient_accumulation_weights_every_token_equally(tmp_path):
-    """Two micro-batches with 3 and 1 trainable tokens give the gradient of the 4-token mean loss."""
-    from lightning.pytorch import Trainer
-    from torch.utils.data import DataLoader
-
-    class PlainSGD(CausalLMModule):
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=1.0)
-
-    examples = [{"input_ids": [5, 6, 7, 8, 9], "labels": [-100, 6, 7, 8, 9]}, {"input_ids": [3, 4, 5], "labels": [-100, -100, 5]}]
-    torch.manual_seed(0)
-    module = PlainSGD(preset="tiny-qwen3")
-    module.configure_model()
-    before = {n: p.detach().clone() for n, p in module.named_parameters()}
-    reference = copy.deepcopy(module)
-    full = PaddedCollator(pad_token_id=0)(examples)
-    reference.compute_loss(full).backward()  # mean over all 4 trainable targets
-
-    loader = DataLoader(examples, batch_size=1, collate_fn=PaddedCollator(pad_token_id=0))
-    trainer = Trainer(max_steps=1, accumulate_grad_batches=2, logger=False, enable_progress_bar=False, default_root_dir=tmp_path)
-    trainer.fit(module, loader)
-    for name, p in module.named_parameters():
-        torch.testing.assert_close(before[name] - p.detach(), dict(reference.named_parameters())[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+    """Two micro-batches with 4 and 1 trainable tokens give the gradient of the 5-token mean loss."""
+    update, gradient, _ = _accumulation_run(tmp_path)
+    for name, expected in gradient.items():
+        torch.testing.assert_close(update[name], expected, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_ddp_ranks_with_different_token_counts_train_on_the_global_mean(tmp_path):
@@ -267,3 +249,58 @@ def test_resumed_runs_keep_their_token_count_and_losses(tmp_path):
     restored = load_checkpoint(tmp_path / "run.ckpt")  # weights_only=True
     assert restored.train_tokens_seen == module.train_tokens_seen > 0
     assert (restored.first_train_loss, restored.last_train_loss) == (module.first_train_loss, module.last_train_loss)
+
+
+def _accumulation_run(tmp_path, callbacks=(), **trainer_options):
+    """Two micro-batches with 4 and 1 trainable targets, plain SGD with lr 1, and the gradient of their 5-token mean."""
+    from lightning.pytorch import Trainer
+    from torch.utils.data import DataLoader
+
+    class PlainSGD(CausalLMModule):
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1.0)
+
+    examples = [{"input_ids": [5, 6, 7, 8, 9], "labels": [5, 6, 7, 8, 9]}, {"input_ids": [3, 4, 5], "labels": [-100, -100, 5]}]
+    torch.manual_seed(0)
+    module = PlainSGD(preset="tiny-qwen3")
+    module.configure_model()
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    reference = copy.deepcopy(module)
+    reference.compute_loss(PaddedCollator(pad_token_id=0)(examples)).backward()
+    first_only = copy.deepcopy(module)
+    first_only.compute_loss(PaddedCollator(pad_token_id=0)(examples[:1]), num_items=5).backward()
+    loader = DataLoader(examples, batch_size=1, collate_fn=PaddedCollator(pad_token_id=0))
+    trainer = Trainer(
+        max_steps=1, accumulate_grad_batches=2, callbacks=list(callbacks), logger=False, enable_progress_bar=False,
+        default_root_dir=tmp_path, **trainer_options,
+    )
+    trainer.fit(module, loader)
+    update = {n: before[n] - p.detach() for n, p in module.named_parameters()}
+    gradient = {n: p.grad for n, p in reference.named_parameters()}
+    return update, gradient, {n: p.grad for n, p in first_only.named_parameters()}
+
+
+def test_each_backward_already_sees_its_share_of_the_step_mean(tmp_path):
+    """After the first micro-batch's backward, the gradients are those of its token losses divided by all 5 of the step."""
+    from lightning.pytorch import Callback
+
+    class FirstBackward(Callback):
+        gradients = None
+
+        def on_after_backward(self, trainer, pl_module):
+            if self.gradients is None:
+                self.gradients = {n: p.grad.clone() for n, p in pl_module.named_parameters()}
+
+    seen = FirstBackward()
+    _, _, first_share = _accumulation_run(tmp_path, callbacks=[seen])
+    for name, expected in first_share.items():
+        torch.testing.assert_close(seen.gradients[name], expected, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_gradient_clipping_sees_the_norm_of_the_step_mean_gradient(tmp_path):
+    torch.manual_seed(0)
+    _, gradient, _ = _accumulation_run(tmp_path / "probe")
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in gradient.values()]))
+    update, gradient, _ = _accumulation_run(tmp_path, gradient_clip_val=0.5 * norm.item(), gradient_clip_algorithm="norm")
+    for name, expected in gradient.items():
+        torch.testing.assert_close(update[name], 0.5 * expected, rtol=1e-4, atol=1e-6, msg=name)

@@ -72,7 +72,7 @@ def datamodule(corpus: Path, streaming: bool) -> SFTDataModule:
 
 
 def fit(tmp_path, corpus, streaming, max_steps, ckpt_path=None, checkpoint_every=None, strategy="auto",
-        devices=1, max_epochs=None, module=None):
+        devices=1, max_epochs=None, module=None, accumulate_grad_batches=1):
     callbacks = []
     if checkpoint_every:
         callbacks.append(ModelCheckpoint(tmp_path / "ckpt", "{step}", every_n_train_steps=checkpoint_every, save_top_k=-1))
@@ -81,6 +81,7 @@ def fit(tmp_path, corpus, streaming, max_steps, ckpt_path=None, checkpoint_every
         max_steps=max_steps, max_epochs=max_epochs, accelerator="cpu", devices=devices, strategy=strategy,
         logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
         enable_checkpointing=bool(callbacks), limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=tmp_path,
+        accumulate_grad_batches=accumulate_grad_batches,
     )
     trainer.fit(module, datamodule=datamodule(corpus, streaming), ckpt_path=ckpt_path)
     return module
@@ -125,13 +126,16 @@ def test_a_resumed_ddp_run_trains_each_rank_on_its_own_batches(tmp_path, streami
     assert not set(reference[0].values()) & set(reference[1].values())  # each rank reads its own share
 
 
-def test_the_causal_lm_module_resumes_on_the_same_batches(tmp_path):
+@pytest.mark.parametrize(("streaming", "accumulate"), [(False, 1), (True, 2), (False, 2)])
+def test_the_causal_lm_module_resumes_on_the_same_batches(tmp_path, streaming, accumulate):
+    """Also with gradient accumulation, where the module reads each optimizer step's micro-batches ahead to
+    count its tokens (lit_memtrain.step_tokens): every micro-batch of steps N+1..N+5 is the same."""
     from lit_memtrain.module import CausalLMModule
 
     class Recording(CausalLMModule):
         def on_train_batch_start(self, batch, batch_idx):
             super().on_train_batch_start(batch, batch_idx)
-            self.fingerprints[self.global_step + 1] = fingerprint(batch)
+            self.fingerprints.setdefault(self.global_step + 1, []).append(fingerprint(batch))
 
     def module():
         torch.manual_seed(0)
@@ -140,11 +144,13 @@ def test_the_causal_lm_module_resumes_on_the_same_batches(tmp_path):
         return recording
 
     corpus = text_corpus(tmp_path / "corpus.jsonl")
-    reference = fit(tmp_path, corpus, False, STOP + 5, checkpoint_every=STOP, module=module()).fingerprints
-    resumed = fit(tmp_path, corpus, False, STOP + 5, ckpt_path=tmp_path / "ckpt" / f"step={STOP}.ckpt",
-                  module=module()).fingerprints
-    assert sorted(resumed) == list(RESUMED)
-    assert [resumed[step] for step in RESUMED] == [reference[step] for step in RESUMED]
+    options = {"accumulate_grad_batches": accumulate}
+    reference = fit(tmp_path, corpus, streaming, STOP + 5, checkpoint_every=STOP, module=module(), **options)
+    resumed = fit(tmp_path, corpus, streaming, STOP + 5, ckpt_path=tmp_path / "ckpt" / f"step={STOP}.ckpt",
+                  module=module(), **options)
+    assert sorted(resumed.fingerprints) == list(RESUMED)
+    assert max(len(resumed.fingerprints[step]) for step in RESUMED) == accumulate  # an epoch's last step may be short
+    assert [resumed.fingerprints[step] for step in RESUMED] == [reference.fingerprints[step] for step in RESUMED]
 
 
 def test_the_loader_state_is_the_position_after_the_batches_trained_on():

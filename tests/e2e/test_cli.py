@@ -5,12 +5,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import wandb
 from transformers import AutoModelForCausalLM
 
 from lit_memtrain.cli import MemTrainCLI, main
 from lit_memtrain.datamodules.sft import SFTDataModule
 from lit_memtrain.module import CausalLMModule
+from lit_memtrain.strategies import FSDP2Strategy
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
@@ -88,7 +90,7 @@ def test_lengths_profiles_a_sample_of_a_stream(tmp_path, capsys):
 OFFLINE_MODEL = ["--model.model=null", "--model.preset=tiny-qwen3", "--data.tokenizer=lit-memtrain/embedded"]
 
 
-@pytest.mark.parametrize("name", ["long_context", "lora"])
+@pytest.mark.parametrize("name", ["long_context", "lora", "multi_gpu"])
 def test_shipped_configs_parse_with_an_offline_model(name):
     config = str(ROOT / "configs" / f"{name}.yaml")
     args = ["--config", config, *OFFLINE_MODEL, "--model.attn_implementation=sdpa", "--trainer.accelerator=cpu"]
@@ -97,9 +99,14 @@ def test_shipped_configs_parse_with_an_offline_model(name):
     assert "GradientCheckpointing" in names and "MemoryMonitor" in names
     assert cli.datamodule.packing
     cli.model.configure_model()
+    if name in ("long_context", "multi_gpu"):
+        strategy = cli.trainer.strategy
+        assert isinstance(strategy, FSDP2Strategy) and strategy.mp_policy.param_dtype == torch.bfloat16
+        assert strategy.cpu_offload == (name == "long_context")
+        assert strategy.mesh_shape() == {"data_parallel": cli.trainer.num_devices}
+        assert "TiledMLP" in names
     if name == "long_context":
         assert cli.model.model.config.rope_parameters["rope_type"] == "yarn"
-        assert "TiledMLP" in names
-    else:
+    elif name == "lora":
         assert cli.model.lora.r == 16 and cli.model.lora.dropout == 0.05
         assert all(p.requires_grad == ("lora_" in n) for n, p in cli.model.model.named_parameters())
