@@ -1,0 +1,228 @@
+"""ContextParallelStrategy on CPU (gloo, one group of 2 ranks) against one process on the whole rows.
+
+Every case runs in one launch: two processes forked from pytest train one case after another, each with its
+own ``Trainer(strategy=ContextParallelStrategy(2, ...))`` on the same rows (the group shares them), and rank 0
+writes what it saw. The references run here, in one process, with the same module, callbacks and rows. Each
+case trains two optimizer steps: the first step's gradients, the weights after both, every micro-batch's
+logged loss and the tokens counted for throughput (summed over the ranks) must be one process's.
+
+Tolerances: the module computes in fp32 (the chunked loss's logits are fp32 whatever the weights' dtype), so
+gradients are compared to rtol 1e-4 (atol 1e-5 of each gradient's largest entry); weights after two AdamW steps
+to 1e-3 of each tensor's scale (AdamW turns float noise in near-zero gradients into whole steps of lr), as the
+FSDP2 tests do. Float64 equality of the attention itself is tested in tests/context_parallel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
+from lightning.pytorch import Callback, Trainer
+from test_fsdp2 import Record, SeededModule, _assert_bf16_close_to_fp32_reference
+from torch.utils.data import DataLoader
+
+from lit_memtrain.callbacks import ActivationOffloading, GradientCheckpointing, TiledMLP
+from lit_memtrain.datamodules.padding_free import PaddingFreeCollator
+from lit_memtrain.lora import LoraSettings
+from lit_memtrain.strategies import ContextParallelStrategy
+
+WORLD = 2
+STEPS = 2
+VOCAB = 512
+LAUNCH_TIMEOUT_S = 300
+YARN = {"rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 4.0, "original_max_position_embeddings": 16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    documents: tuple[int, ...]  # lengths of the documents of each row (one length: a single-document row)
+    strategy: dict[str, Any] = dataclasses.field(default_factory=dict)
+    module: dict[str, Any] = dataclasses.field(default_factory=dict)
+    callbacks: Callable[[], list[Callback]] = list
+    accumulate: int = 1
+    padding: int = 0  # tokens the strategy must add to each row
+    validate: bool = False
+    bf16: bool = False
+
+
+def _offloaded_activations() -> list[Callback]:
+    return [ActivationOffloading(offload_cpu_tensors_for_testing=True, use_streams=False, max_fwd_stash_size=1)]
+
+
+KV1 = {"config_overrides": {"num_key_value_heads": 1}}
+CASES: dict[str, Case] = {
+    "ulysses_single_document": Case((32,), module={"loss_chunk_size": 5}, validate=True),
+    "ulysses_single_document_padded_sdpa": Case((31,), {"inner": "sdpa"}, padding=1),
+    "ulysses_packed_padded_kv2": Case((11, 7, 13), padding=1, validate=True),
+    "ulysses_packed_kv1_plain_loss": Case((11, 7, 14), module={"loss_type": "nll", **KV1}),
+    "ring_single_document_padded": Case((30,), {"method": "ring"}, padding=2),
+    "ring_packed_padded_kv1": Case((9, 14, 6), {"method": "ring"}, module=KV1, padding=3, validate=True),
+    "ulysses_checkpointing_tiled_mlp_cpu_offload_yarn_accumulation": Case(
+        (10, 12, 9),
+        {"cpu_offload": True},
+        {"model_init_kwargs": {"rope_parameters": YARN}, "config_overrides": {"max_position_embeddings": 64}},
+        lambda: [GradientCheckpointing(selective=True, offload=True), TiledMLP(num_tiles=2)],
+        accumulate=2,
+        padding=1,
+    ),
+    "ring_lora_activation_offloading_checkpointing": Case(
+        (13, 15),
+        {"method": "ring"},
+        {"lora": LoraSettings(r=4, alpha=8, lm_head=True)},
+        lambda: [GradientCheckpointing(), *_offloaded_activations()],
+    ),
+    "ulysses_bf16_compute": Case((12, 20), {"mixed_precision": "bf16"}, bf16=True),
+}
+
+
+def _rows(case: Case, step: int, micro_batch: int) -> dict[str, Any]:
+    """One row: its documents, each with a prompt of a third of its tokens that is not trained on."""
+    generator = torch.Generator().manual_seed(100 * step + micro_batch)
+    examples = []
+    for length in case.documents:
+        ids = torch.randint(1, VOCAB, (length,), generator=generator)
+        examples.append({"input_ids": ids, "labels": torch.cat([torch.full((length // 3,), -100), ids[length // 3 :]])})
+    if len(examples) == 1:
+        return {"input_ids": examples[0]["input_ids"][None], "labels": examples[0]["labels"][None]}
+    return PaddingFreeCollator()(examples)
+
+
+def _batches(case: Case) -> list[dict[str, Any]]:
+    return [_rows(case, step, micro) for step in range(STEPS) for micro in range(case.accumulate)]
+
+
+def _module(case: Case) -> SeededModule:
+    return SeededModule(preset="tiny-qwen3", learning_rate=1e-3, warmup=0, **case.module)
+
+
+class CountTokens(Record):
+    """Also keeps the tokens counted for throughput, summed over every rank."""
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        counted = trainer.strategy.reduce(torch.tensor(pl_module.train_tokens_seen), reduce_op="sum")
+        super().on_train_end(trainer, pl_module)
+        if trainer.is_global_zero:
+            torch.save({**torch.load(self.path, weights_only=True), "tokens": int(counted)}, self.path)
+
+
+def _fit(case: Case, path: Path, **options: Any) -> None:
+    trainer = Trainer(
+        max_steps=STEPS,
+        accumulate_grad_batches=case.accumulate,
+        callbacks=[*case.callbacks(), CountTokens(path)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        default_root_dir=path.parent,
+        accelerator="cpu",
+        **options,
+    )
+    validation = DataLoader([_rows(case, STEPS, 0)], batch_size=None) if case.validate else None
+    trainer.fit(_module(case), DataLoader(_batches(case), batch_size=None), validation)
+
+
+class _Messages(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _worker(rank: int, names: list[str], out: Path, port: int) -> None:
+    os.environ.update(
+        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(WORLD), "NODE_RANK": "0"}
+    )
+    os.environ["LOCAL_RANK"] = str(rank)  # Lightning then treats the processes as launched from outside
+    torch.set_num_threads(1)
+    messages = _Messages()
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addHandler(messages)
+    for name in names:
+        case = CASES[name]
+        (out / name).mkdir(exist_ok=True)
+        messages.messages.clear()
+        try:
+            strategy = ContextParallelStrategy(context_parallel_size=WORLD, **case.strategy)
+            _fit(case, out / name / "context_parallel.pt", devices=WORLD, strategy=strategy, use_distributed_sampler=False)
+            padding_lines = [message for message in messages.messages if "padded with" in message]
+            (out / name / f"padding.rank{rank}.txt").write_text("\n".join(padding_lines))
+        except Exception:  # noqa: BLE001 - reported by the test of that case
+            (out / f"{name}.rank{rank}.error").write_text(traceback.format_exc())
+            raise
+
+
+@pytest.fixture(scope="module")
+def distributed_runs(tmp_path_factory) -> Path:
+    """All cases, in one launch of two forked processes."""
+    out = tmp_path_factory.mktemp("context-parallel-strategy")
+    context = mp.start_processes(
+        _worker, args=(list(CASES), out, find_free_network_port()), nprocs=WORLD, join=False, start_method="fork"
+    )
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    try:
+        while not context.join(timeout=max(1.0, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the two context-parallel processes did not finish within {LAUNCH_TIMEOUT_S} s")
+    except Exception:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+        if not sorted(out.glob("*.error")):
+            raise
+    return out
+
+
+def _result(out: Path, name: str) -> dict[str, Any]:
+    for error in sorted(out.glob(f"{name}.rank*.error")):
+        pytest.fail(f"the context-parallel run of {name} failed on {error.stem}:\n{error.read_text()}")
+    return torch.load(out / name / "context_parallel.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_context_parallel_group_trains_as_one_process_on_the_whole_rows(name, distributed_runs, tmp_path):
+    case = CASES[name]
+    split = _result(distributed_runs, name)
+    # bf16 compute is compared with an fp32 run: the fp32 master weights are what FSDP2 keeps in bf16 compute.
+    _fit(dataclasses.replace(case, strategy={}), tmp_path / "reference.pt", devices=1)
+    reference = torch.load(tmp_path / "reference.pt", weights_only=True)
+    assert split["tokens"] == reference["tokens"] == sum(case.documents) * STEPS * case.accumulate
+    if case.bf16:
+        _assert_bf16_close_to_fp32_reference(split, reference)
+        return
+    assert split["losses"] == pytest.approx(reference["losses"], rel=1e-4)
+    assert split["validation_losses"] == pytest.approx(reference["validation_losses"], rel=1e-4)
+    assert len(split["validation_losses"]) == int(case.validate)
+    assert split["gradients"].keys() == reference["gradients"].keys()
+    for key, expected in reference["gradients"].items():
+        atol = 1e-5 * expected.abs().max().item()
+        torch.testing.assert_close(split["gradients"][key], expected, rtol=1e-4, atol=atol, msg=key)
+    for key, expected in reference["weights"].items():
+        scale = expected.abs().max().item()
+        torch.testing.assert_close(split["weights"][key], expected, rtol=1e-3, atol=1e-3 * scale, msg=key)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_padding_added_is_logged_once_in_tokens(name, distributed_runs):
+    _result(distributed_runs, name)
+    case = CASES[name]
+    lines = (distributed_runs / name / "padding.rank0.txt").read_text().splitlines()
+    if not case.padding:
+        assert lines == []
+        return
+    length = sum(case.documents)
+    assert len(lines) == 1, lines  # every row of the run is padded, once logged
+    assert f"rows of {length} tokens padded with {case.padding} tokens to {length + case.padding}" in lines[0]
+    assert (distributed_runs / name / "padding.rank1.txt").read_text() == ""  # rank 0 only
