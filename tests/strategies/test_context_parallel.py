@@ -83,6 +83,12 @@ CASES: dict[str, Case] = {
     ),
     "ulysses_bf16_compute": Case((12, 20), {"mixed_precision": "bf16"}, bf16=True),
 }
+# On two GPUs (nccl): torch's ring kernels (flash / efficient SDPA in bf16), and Ulysses, against one GPU in fp32.
+GPU_CASES: dict[str, Case] = {
+    "gpu_torch_ring_bf16": Case((256,), {"method": "ring", "ring_backend": "torch", "mixed_precision": "bf16"}, bf16=True),
+    "gpu_ulysses_packed_bf16": Case((100, 60, 96), {"mixed_precision": "bf16"}, bf16=True),
+}
+ALL_CASES = {**CASES, **GPU_CASES}
 
 
 def _rows(case: Case, step: int, micro_batch: int) -> dict[str, Any]:
@@ -115,7 +121,7 @@ class CountTokens(Record):
             torch.save({**torch.load(self.path, weights_only=True), "tokens": int(counted)}, self.path)
 
 
-def _fit(case: Case, path: Path, **options: Any) -> None:
+def _fit(case: Case, path: Path, accelerator: str = "cpu", **options: Any) -> None:
     trainer = Trainer(
         max_steps=STEPS,
         accumulate_grad_batches=case.accumulate,
@@ -126,7 +132,7 @@ def _fit(case: Case, path: Path, **options: Any) -> None:
         enable_checkpointing=False,
         num_sanity_val_steps=0,
         default_root_dir=path.parent,
-        accelerator="cpu",
+        accelerator=accelerator,
         **options,
     )
     validation = DataLoader([_rows(case, STEPS, 0)], batch_size=None) if case.validate else None
@@ -142,7 +148,7 @@ class _Messages(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def _worker(rank: int, names: list[str], out: Path, port: int) -> None:
+def _worker(rank: int, names: list[str], out: Path, port: int, accelerator: str) -> None:
     os.environ.update(
         {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(WORLD), "NODE_RANK": "0"}
     )
@@ -151,12 +157,13 @@ def _worker(rank: int, names: list[str], out: Path, port: int) -> None:
     messages = _Messages()
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addHandler(messages)
     for name in names:
-        case = CASES[name]
+        case = ALL_CASES[name]
         (out / name).mkdir(exist_ok=True)
         messages.messages.clear()
         try:
             strategy = ContextParallelStrategy(context_parallel_size=WORLD, **case.strategy)
-            _fit(case, out / name / "context_parallel.pt", devices=WORLD, strategy=strategy, use_distributed_sampler=False)
+            path = out / name / "context_parallel.pt"
+            _fit(case, path, accelerator, devices=WORLD, strategy=strategy, use_distributed_sampler=False)
             padding_lines = [message for message in messages.messages if "padded with" in message]
             (out / name / f"padding.rank{rank}.txt").write_text("\n".join(padding_lines))
         except Exception:  # noqa: BLE001 - reported by the test of that case
@@ -164,12 +171,11 @@ def _worker(rank: int, names: list[str], out: Path, port: int) -> None:
             raise
 
 
-@pytest.fixture(scope="module")
-def distributed_runs(tmp_path_factory) -> Path:
-    """All cases, in one launch of two forked processes."""
-    out = tmp_path_factory.mktemp("context-parallel-strategy")
+def _launch(names: list[str], out: Path, accelerator: str, start_method: str) -> Path:
+    """Every case of ``names``, in one launch of two processes."""
     context = mp.start_processes(
-        _worker, args=(list(CASES), out, find_free_network_port()), nprocs=WORLD, join=False, start_method="fork"
+        _worker, args=(names, out, find_free_network_port(), accelerator), nprocs=WORLD, join=False,
+        start_method=start_method,
     )
     deadline = time.monotonic() + LAUNCH_TIMEOUT_S
     try:
@@ -185,6 +191,19 @@ def distributed_runs(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def distributed_runs(tmp_path_factory) -> Path:
+    return _launch(list(CASES), tmp_path_factory.mktemp("context-parallel-strategy"), "cpu", "fork")
+
+
+@pytest.fixture(scope="module")
+def gpu_runs(tmp_path_factory) -> Path:
+    if torch.cuda.device_count() < WORLD:
+        pytest.skip(f"needs {WORLD} CUDA devices for a context-parallel group across GPUs, found {torch.cuda.device_count()}")
+    # Spawned: other GPU tests of the same pytest process may have initialised CUDA, which forked ranks cannot use.
+    return _launch(list(GPU_CASES), tmp_path_factory.mktemp("context-parallel-strategy-gpu"), "gpu", "spawn")
+
+
 def _result(out: Path, name: str) -> dict[str, Any]:
     for error in sorted(out.glob(f"{name}.rank*.error")):
         pytest.fail(f"the context-parallel run of {name} failed on {error.stem}:\n{error.read_text()}")
@@ -193,10 +212,18 @@ def _result(out: Path, name: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_context_parallel_group_trains_as_one_process_on_the_whole_rows(name, distributed_runs, tmp_path):
-    case = CASES[name]
-    split = _result(distributed_runs, name)
+    _assert_trains_as_one_process(CASES[name], _result(distributed_runs, name), tmp_path, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GPU_CASES))
+def test_on_two_gpus_a_group_trains_as_one_gpu_within_bf16_tolerance(name, gpu_runs, tmp_path):
+    _assert_trains_as_one_process(GPU_CASES[name], _result(gpu_runs, name), tmp_path, "gpu")
+
+
+def _assert_trains_as_one_process(case: Case, split: dict[str, Any], tmp_path: Path, accelerator: str) -> None:
     # bf16 compute is compared with an fp32 run: the fp32 master weights are what FSDP2 keeps in bf16 compute.
-    _fit(dataclasses.replace(case, strategy={}), tmp_path / "reference.pt", devices=1)
+    _fit(dataclasses.replace(case, strategy={}), tmp_path / "reference.pt", accelerator, devices=1)
     reference = torch.load(tmp_path / "reference.pt", weights_only=True)
     assert split["tokens"] == reference["tokens"] == sum(case.documents) * STEPS * case.accumulate
     if case.bf16:
