@@ -14,6 +14,7 @@ FSDP2 tests do. Float64 equality of the attention itself is tested in tests/cont
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import logging
 import os
@@ -31,7 +32,7 @@ from lightning.pytorch import Callback, Trainer
 from test_fsdp2 import Record, SeededModule, _assert_bf16_close_to_fp32_reference
 from torch.utils.data import DataLoader
 
-from lit_memtrain.callbacks import ActivationOffloading, GradientCheckpointing, TiledMLP
+from lit_memtrain.callbacks import ActivationOffloading, GradientCheckpointing, PositionalLoss, TiledMLP
 from lit_memtrain.datamodules.padding_free import PaddingFreeCollator
 from lit_memtrain.lora import LoraSettings
 from lit_memtrain.strategies import ContextParallelStrategy
@@ -66,7 +67,9 @@ CASES: dict[str, Case] = {
     "ulysses_packed_padded_kv2": Case((11, 7, 13), padding=1, validate=True),
     "ulysses_packed_kv1_plain_loss": Case((11, 7, 14), module={"loss_type": "nll", **KV1}),
     "ring_single_document_padded": Case((30,), {"method": "ring"}, padding=2),
-    "ring_packed_padded_kv1": Case((9, 14, 6), {"method": "ring"}, module=KV1, padding=3, validate=True),
+    "ring_packed_padded_kv1_positional_loss": Case(
+        (9, 14, 6), {"method": "ring"}, KV1, lambda: [PositionalLoss(bucket_width=4)], padding=3, validate=True
+    ),
     "ulysses_checkpointing_tiled_mlp_cpu_offload_yarn_accumulation": Case(
         (10, 12, 9),
         {"cpu_offload": True},
@@ -112,13 +115,16 @@ def _module(case: Case) -> SeededModule:
 
 
 class CountTokens(Record):
-    """Also keeps the tokens counted for throughput, summed over every rank."""
+    """Also keeps the tokens counted for throughput (summed over every rank) and PositionalLoss's table."""
 
     def on_train_end(self, trainer, pl_module) -> None:
         counted = trainer.strategy.reduce(torch.tensor(pl_module.train_tokens_seen), reduce_op="sum")
         super().on_train_end(trainer, pl_module)
         if trainer.is_global_zero:
-            torch.save({**torch.load(self.path, weights_only=True), "tokens": int(counted)}, self.path)
+            tables = sorted(Path(trainer.default_root_dir, "positional_loss").glob("*.csv"))
+            by_position = list(csv.reader(tables[-1].open()))[1:] if tables else []
+            record = torch.load(self.path, weights_only=True)
+            torch.save({**record, "tokens": int(counted), "loss_by_position": by_position}, self.path)
 
 
 def _fit(case: Case, path: Path, accelerator: str = "cpu", **options: Any) -> None:
@@ -239,6 +245,12 @@ def _assert_trains_as_one_process(case: Case, split: dict[str, Any], tmp_path: P
     for key, expected in reference["weights"].items():
         scale = expected.abs().max().item()
         torch.testing.assert_close(split["weights"][key], expected, rtol=1e-3, atol=1e-3 * scale, msg=key)
+    # PositionalLoss: the same buckets, token counts and mean losses (each token once, at its global position)
+    split_table, reference_table = split["loss_by_position"], reference["loss_by_position"]
+    assert len(split_table) == len(reference_table) > 0 or not any(isinstance(c, PositionalLoss) for c in case.callbacks())
+    for got, expected in zip(split_table, reference_table, strict=True):
+        assert (got[0], got[1], got[3]) == (expected[0], expected[1], expected[3])
+        assert float(got[2]) == pytest.approx(float(expected[2]), rel=1e-4)
 
 
 @pytest.mark.parametrize("name", list(CASES))
