@@ -26,7 +26,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from lit_memtrain.allocator import enable_expandable_segments
@@ -36,8 +35,9 @@ enable_expandable_segments()
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from lightning.fabric.plugins.environments.lightning import find_free_network_port  # noqa: E402
-from lightning.pytorch import Callback, Trainer  # noqa: E402
+from lightning.pytorch import Trainer  # noqa: E402
 from lightning.pytorch.strategies import Strategy  # noqa: E402
+import fsdp2  # noqa: E402
 from results import add_arguments, check, table, write  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
@@ -48,28 +48,8 @@ from lit_memtrain.strategies import ContextParallelStrategy, FSDP2Strategy  # no
 GIB = 2**30
 
 
-class Measure(Callback):
-    """Step times, first-step loss and the peak of the steps after the warm-up (the largest over the ranks)."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self.losses: list[float] = []
-        self.peak = 0
-        self._started = 0.0
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if pl_module.device.type == "cuda":
-            torch.cuda.synchronize()
-            if batch_idx == 1:  # after the warm-up step: kernels, allocator segments, AdamW state
-                torch.cuda.reset_peak_memory_stats()
-        self._started = time.perf_counter()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if pl_module.device.type == "cuda":
-            torch.cuda.synchronize()
-            self.peak = torch.cuda.max_memory_allocated()
-        self.times.append(time.perf_counter() - self._started)
-        self.losses.append(pl_module.last_train_loss)  # the whole row's mean, also on a context-parallel rank
+class Measure(fsdp2.Measure):
+    """FSDP2's measurement, its peak the largest over the ranks; ``losses`` are whole-row means on every rank."""
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.peak = int(trainer.strategy.reduce(torch.tensor(self.peak, device=pl_module.device), reduce_op="max"))
@@ -119,7 +99,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-len", type=int, default=16384)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=3, help="including one warm-up step")
+    parser.add_argument("--steps", type=int, default=4, help="including one warm-up step")
     parser.add_argument("--preset", default="qwen3-4b")
     parser.add_argument("--method", choices=("ulysses", "ring"), default="ulysses")
     parser.add_argument("--ring-backend", choices=("all_gather", "torch"), default="torch")
