@@ -51,7 +51,8 @@ from lit_memtrain.strategies.parallelize import is_sharded, run_inside_forward
 from lit_memtrain.throughput import attention_pairs, count_tokens, peak_flops, training_flops
 
 _BATCH_ONLY_KEYS = (
-    "labels", "shift_labels", "num_trainable_tokens", "num_tokens", "seq_lengths", "attention_pairs", STEP_TRAINABLE_TOKENS
+    "labels", "shift_labels", "num_trainable_tokens", "num_tokens", "seq_lengths", "attention_pairs",
+    STEP_TRAINABLE_TOKENS,
 )  # fmt: skip
 _VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 # Attention implementations whose padding-free rows equal per-document runs in this project's tests
@@ -536,7 +537,8 @@ class CausalLMModule(LightningModule):
         """The micro-batch's mean token loss; over the whole rows when each rank of a context-parallel group
         holds a shard of them (one all-reduce of two numbers over the group)."""
         mesh = self.device_mesh
-        if mesh is not None and "context_parallel" in (mesh.mesh_dim_names or ()) and mesh["context_parallel"].size() > 1:
+        split = mesh is not None and "context_parallel" in (mesh.mesh_dim_names or ())
+        if split and mesh["context_parallel"].size() > 1:
             totals = torch.stack([loss_sum.float(), targets.float()])
             torch.distributed.all_reduce(totals, group=mesh["context_parallel"].get_group())
             loss_sum, targets = totals[0], totals[1]

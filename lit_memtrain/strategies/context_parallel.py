@@ -237,11 +237,12 @@ class ContextParallelStrategy(FSDP2Strategy):
         if layout.padding and not self._padding_logged:
             self._padding_logged = True
             multiple = layout.cp_size * (2 if layout.method == "ring" else 1)
+            rows = layout.length - layout.padding
             rank_zero_info(
-                f"Context parallelism ({layout.method}, {layout.cp_size} ranks): rows of {layout.length - layout.padding} "
-                f"tokens padded with {layout.padding} tokens to {layout.length} (a multiple of {multiple}); the padding "
-                "is its own segment, never attended to by a real token nor trained on. Logged once; rows whose length "
-                f"is a multiple of {multiple} need none."
+                f"Context parallelism ({layout.method}, {layout.cp_size} ranks): rows of {rows} tokens padded with "
+                f"{layout.padding} tokens to {layout.length} (a multiple of {multiple}); the padding is its own segment,"
+                f" never attended to by a real token nor trained on. Logged once: any row gets at most {multiple - 1} "
+                f"tokens of padding (none when its length is a multiple of {multiple})."
             )
 
     @override
