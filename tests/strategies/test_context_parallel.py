@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -54,6 +55,7 @@ class Case:
     padding: int = 0  # tokens the strategy must add to each row
     validate: bool = False
     bf16: bool = False
+    data_parallel: int = 1  # > 1: that many groups of 2 ranks, rows handed out by Lightning's sampler
 
 
 def _offloaded_activations() -> list[Callback]:
@@ -91,19 +93,39 @@ GPU_CASES: dict[str, Case] = {
     "gpu_torch_ring_bf16": Case((256,), {"method": "ring", "ring_backend": "torch", "mixed_precision": "bf16"}, bf16=True),
     "gpu_ulysses_packed_bf16": Case((100, 60, 96), {"mixed_precision": "bf16"}, bf16=True),
 }
-ALL_CASES = {**CASES, **GPU_CASES}
+# Four ranks, two groups of two: the sampler splits rows over the groups only, FSDP2 shards and reduces over all
+# four, and the step's loss is the mean over both groups' rows (their rows train on different numbers of targets).
+FOUR_RANK_CASES: dict[str, Case] = {
+    "dp2_ulysses_packed": Case((11, 7, 13), data_parallel=2),
+    "dp2_ring_packed_cpu_offload": Case((9, 12, 6), {"method": "ring", "cpu_offload": True}, data_parallel=2),
+}
+ALL_CASES = {**CASES, **GPU_CASES, **FOUR_RANK_CASES}
 
 
-def _rows(case: Case, step: int, micro_batch: int) -> dict[str, Any]:
-    """One row: its documents, each with a prompt of a third of its tokens that is not trained on."""
-    generator = torch.Generator().manual_seed(100 * step + micro_batch)
+def _documents(case: Case, seed: int, prompt_share: float = 1 / 3) -> list[dict[str, torch.Tensor]]:
+    """The documents of one row, each with a prompt (that share of its tokens) that is not trained on."""
+    generator = torch.Generator().manual_seed(seed)
     examples = []
     for length in case.documents:
         ids = torch.randint(1, VOCAB, (length,), generator=generator)
-        examples.append({"input_ids": ids, "labels": torch.cat([torch.full((length // 3,), -100), ids[length // 3 :]])})
+        prompt = int(length * prompt_share)
+        examples.append({"input_ids": ids, "labels": torch.cat([torch.full((prompt,), -100), ids[prompt:]])})
+    return examples
+
+
+def _collate(examples: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
     if len(examples) == 1:
         return {"input_ids": examples[0]["input_ids"][None], "labels": examples[0]["labels"][None]}
     return PaddingFreeCollator()(examples)
+
+
+def _rows(case: Case, step: int, micro_batch: int) -> dict[str, Any]:
+    return _collate(_documents(case, 100 * step + micro_batch))
+
+
+def _dataset_rows(case: Case) -> list[list[dict[str, torch.Tensor]]]:
+    """The rows a data-parallel case's sampler hands out: odd rows train on a third of the targets of even ones."""
+    return [_documents(case, 1000 + row, 1 / 3 if row % 2 else 2 / 3) for row in range(case.data_parallel * STEPS)]
 
 
 def _batches(case: Case) -> list[dict[str, Any]]:
@@ -127,11 +149,22 @@ class CountTokens(Record):
             torch.save({**record, "tokens": int(counted), "loss_by_position": by_position}, self.path)
 
 
-def _fit(case: Case, path: Path, accelerator: str = "cpu", **options: Any) -> None:
+class SamplerIndices(Callback):
+    """Writes the dataset indices this rank's sampler hands out (``indices.rank<N>.json``)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        indices = list(iter(trainer.train_dataloader.sampler))
+        (self.directory / f"indices.rank{trainer.global_rank}.json").write_text(json.dumps(indices))
+
+
+def _fit(case: Case, path: Path, accelerator: str, train: DataLoader, *extra: Callback, **options: Any) -> None:
     trainer = Trainer(
         max_steps=STEPS,
         accumulate_grad_batches=case.accumulate,
-        callbacks=[*case.callbacks(), CountTokens(path)],
+        callbacks=[*case.callbacks(), *extra, CountTokens(path)],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -142,7 +175,7 @@ def _fit(case: Case, path: Path, accelerator: str = "cpu", **options: Any) -> No
         **options,
     )
     validation = DataLoader([_rows(case, STEPS, 0)], batch_size=None) if case.validate else None
-    trainer.fit(_module(case), DataLoader(_batches(case), batch_size=None), validation)
+    trainer.fit(_module(case), train, validation)
 
 
 class _Messages(logging.Handler):
@@ -154,9 +187,9 @@ class _Messages(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def _worker(rank: int, names: list[str], out: Path, port: int, accelerator: str) -> None:
+def _worker(rank: int, names: list[str], out: Path, port: int, accelerator: str, world: int) -> None:
     os.environ.update(
-        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(WORLD), "NODE_RANK": "0"}
+        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world), "NODE_RANK": "0"}
     )
     os.environ["LOCAL_RANK"] = str(rank)  # Lightning then treats the processes as launched from outside
     torch.set_num_threads(1)
@@ -169,7 +202,12 @@ def _worker(rank: int, names: list[str], out: Path, port: int, accelerator: str)
         try:
             strategy = ContextParallelStrategy(context_parallel_size=WORLD, **case.strategy)
             path = out / name / "context_parallel.pt"
-            _fit(case, path, accelerator, devices=WORLD, strategy=strategy, use_distributed_sampler=False)
+            if case.data_parallel == 1:  # every rank of the group the same rows, as the sampler would give them
+                loader = DataLoader(_batches(case), batch_size=None)
+                _fit(case, path, accelerator, loader, devices=world, strategy=strategy, use_distributed_sampler=False)
+            else:
+                loader = DataLoader(_dataset_rows(case), batch_size=1, collate_fn=lambda rows: _collate(rows[0]))
+                _fit(case, path, accelerator, loader, SamplerIndices(out / name), devices=world, strategy=strategy)
             padding_lines = [message for message in messages.messages if "padded with" in message]
             (out / name / f"padding.rank{rank}.txt").write_text("\n".join(padding_lines))
         except Exception:  # noqa: BLE001 - reported by the test of that case
@@ -177,17 +215,17 @@ def _worker(rank: int, names: list[str], out: Path, port: int, accelerator: str)
             raise
 
 
-def _launch(names: list[str], out: Path, accelerator: str, start_method: str) -> Path:
-    """Every case of ``names``, in one launch of two processes."""
+def _launch(names: list[str], out: Path, accelerator: str, start_method: str, world: int = WORLD) -> Path:
+    """Every case of ``names``, in one launch of ``world`` processes."""
     context = mp.start_processes(
-        _worker, args=(names, out, find_free_network_port(), accelerator), nprocs=WORLD, join=False,
+        _worker, args=(names, out, find_free_network_port(), accelerator, world), nprocs=world, join=False,
         start_method=start_method,
     )
     deadline = time.monotonic() + LAUNCH_TIMEOUT_S
     try:
         while not context.join(timeout=max(1.0, deadline - time.monotonic())):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the two context-parallel processes did not finish within {LAUNCH_TIMEOUT_S} s")
+                raise TimeoutError(f"the {world} context-parallel processes did not finish within {LAUNCH_TIMEOUT_S} s")
     except Exception:
         for process in context.processes:
             if process.is_alive():
@@ -200,6 +238,12 @@ def _launch(names: list[str], out: Path, accelerator: str, start_method: str) ->
 @pytest.fixture(scope="module")
 def distributed_runs(tmp_path_factory) -> Path:
     return _launch(list(CASES), tmp_path_factory.mktemp("context-parallel-strategy"), "cpu", "fork")
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("context-parallel-strategy-dp2")
+    return _launch(list(FOUR_RANK_CASES), out, "cpu", "fork", world=2 * WORLD)
 
 
 @pytest.fixture(scope="module")
@@ -227,15 +271,32 @@ def test_on_two_gpus_a_group_trains_as_one_gpu_within_bf16_tolerance(name, gpu_r
     _assert_trains_as_one_process(GPU_CASES[name], _result(gpu_runs, name), tmp_path, "gpu")
 
 
-def _assert_trains_as_one_process(case: Case, split: dict[str, Any], tmp_path: Path, accelerator: str) -> None:
+@pytest.mark.parametrize("name", list(FOUR_RANK_CASES))
+def test_two_groups_of_two_train_as_one_process_on_both_groups_rows(name, four_rank_runs, tmp_path):
+    case = FOUR_RANK_CASES[name]
+    split = _result(four_rank_runs, name)
+    indices = [json.loads((four_rank_runs / name / f"indices.rank{rank}.json").read_text()) for rank in range(4)]
+    assert indices[0] == indices[1] and indices[2] == indices[3]  # a group loads the same rows
+    assert sorted(indices[0] + indices[2]) == list(range(2 * STEPS))  # the groups split the rows between them
+    rows = _dataset_rows(case)
+    steps = [_collate(rows[indices[0][step]] + rows[indices[2][step]]) for step in range(STEPS)]
+    _assert_trains_as_one_process(case, split, tmp_path, "cpu", DataLoader(steps, batch_size=None))
+
+
+def _assert_trains_as_one_process(
+    case: Case, split: dict[str, Any], tmp_path: Path, accelerator: str, train: DataLoader | None = None
+) -> None:
     # bf16 compute is compared with an fp32 run: the fp32 master weights are what FSDP2 keeps in bf16 compute.
-    _fit(dataclasses.replace(case, strategy={}), tmp_path / "reference.pt", accelerator, devices=1)
+    train = train or DataLoader(_batches(case), batch_size=None)
+    _fit(dataclasses.replace(case, strategy={}), tmp_path / "reference.pt", accelerator, train, devices=1)
     reference = torch.load(tmp_path / "reference.pt", weights_only=True)
-    assert split["tokens"] == reference["tokens"] == sum(case.documents) * STEPS * case.accumulate
+    tokens = sum(case.documents) * STEPS * case.accumulate * case.data_parallel
+    assert split["tokens"] == reference["tokens"] == tokens
     if case.bf16:
         _assert_bf16_close_to_fp32_reference(split, reference)
         return
-    assert split["losses"] == pytest.approx(reference["losses"], rel=1e-4)
+    if case.data_parallel == 1:  # the logged loss is the mean of the group's rows (rank 0's group)
+        assert split["losses"] == pytest.approx(reference["losses"], rel=1e-4)
     assert split["validation_losses"] == pytest.approx(reference["validation_losses"], rel=1e-4)
     assert len(split["validation_losses"]) == int(case.validate)
     assert split["gradients"].keys() == reference["gradients"].keys()
