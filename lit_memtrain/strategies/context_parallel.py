@@ -183,6 +183,11 @@ class ContextParallelStrategy(FSDP2Strategy):
 
     @override
     def setup_environment(self) -> None:
+        if self._uses_torch_ring() and self.root_device.type != "cuda":
+            raise ValueError(
+                f"ring_backend='torch' runs torch's ring kernels, on CUDA only; this run is on {self.root_device.type}. "
+                "Use ring_backend='all_gather' (any device) or method='ulysses'."
+            )
         # Head counts are checked from the module's config before any process group exists or any weight is read.
         recipe = getattr(self.lightning_module, "recipe", None)
         if recipe is not None and self.context_parallel_size > 1:

@@ -61,6 +61,15 @@ def test_heads_the_method_cannot_split_fail_before_any_process_group_or_weight(o
     assert not dist.is_initialized() and module.model is None
 
 
+def test_torch_ring_kernels_off_cuda_fail_before_any_process_group():
+    strategy = ContextParallelStrategy(2, method="ring", ring_backend="torch", start_method="fork")
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+    trainer.strategy.connect(CausalLMModule(preset="tiny-qwen3"))
+    with pytest.raises(ValueError, match="ring_backend='torch' runs torch's ring kernels, on CUDA only; this run is on cpu"):
+        trainer.strategy.setup_environment()
+    assert not dist.is_initialized()
+
+
 def test_the_command_line_sets_the_strategy_and_its_options(tokenizer):
     cli = MemTrainCLI(
         CausalLMModule,
