@@ -81,6 +81,11 @@ def gathered_kv_attention(
     Returns:
         ``[B, local tokens, heads, D]``, as transformers' attention functions return it.
     """
+    # The document masks are torch's attention-bias tensors, whose SDPA bypasses autocast's casting: under autocast
+    # (RMS-normed queries and keys in fp32, values in bf16) cast all three as autocast would, before the exchange.
+    device = query.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
+    query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     order = layout.gathered_order()
     key, value = gather_sequence(key, group, order), gather_sequence(value, group, order)
     groups = query.shape[1] // key.shape[1]

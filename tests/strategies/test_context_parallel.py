@@ -55,6 +55,7 @@ class Case:
     padding: int = 0  # tokens the strategy must add to each row
     validate: bool = False
     bf16: bool = False
+    precision: str = "32-true"
     data_parallel: int = 1  # > 1: that many groups of 2 ranks, rows handed out by Lightning's sampler
 
 
@@ -87,6 +88,8 @@ CASES: dict[str, Case] = {
         lambda: [GradientCheckpointing(), *_offloaded_activations()],
     ),
     "ulysses_bf16_compute": Case((12, 20), {"mixed_precision": "bf16"}, bf16=True),
+    "ring_bf16_mixed_autocast": Case((12, 20), {"method": "ring"}, bf16=True, precision="bf16-mixed"),
+    "ulysses_bf16_mixed_autocast": Case((12, 20), bf16=True, precision="bf16-mixed"),
 }
 # On two GPUs (nccl): torch's ring kernels (flash / efficient SDPA in bf16), and Ulysses, against one GPU in fp32.
 GPU_CASES: dict[str, Case] = {
@@ -164,6 +167,7 @@ def _fit(case: Case, path: Path, accelerator: str, train: DataLoader, *extra: Ca
     trainer = Trainer(
         max_steps=STEPS,
         accumulate_grad_batches=case.accumulate,
+        precision=case.precision,
         callbacks=[*case.callbacks(), *extra, CountTokens(path)],
         logger=False,
         enable_progress_bar=False,
@@ -288,7 +292,8 @@ def _assert_trains_as_one_process(
 ) -> None:
     # bf16 compute is compared with an fp32 run: the fp32 master weights are what FSDP2 keeps in bf16 compute.
     train = train or DataLoader(_batches(case), batch_size=None)
-    _fit(dataclasses.replace(case, strategy={}), tmp_path / "reference.pt", accelerator, train, devices=1)
+    single = dataclasses.replace(case, strategy={}, precision="32-true")
+    _fit(single, tmp_path / "reference.pt", accelerator, train, devices=1)
     reference = torch.load(tmp_path / "reference.pt", weights_only=True)
     tokens = sum(case.documents) * STEPS * case.accumulate * case.data_parallel
     assert split["tokens"] == reference["tokens"] == tokens
