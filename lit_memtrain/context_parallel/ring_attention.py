@@ -28,7 +28,7 @@ from torch.nn.attention.bias import CausalBias, causal_lower_right
 from lit_memtrain.context_parallel.exchange import gather_sequence
 from lit_memtrain.context_parallel.sharding import ShardLayout
 
-__all__ = ["AttentionBlock", "attention_blocks", "gathered_kv_attention"]
+__all__ = ["AttentionBlock", "attention_blocks", "autocast_inputs", "gathered_kv_attention"]
 
 
 class AttentionBlock(NamedTuple):
@@ -60,6 +60,18 @@ def attention_blocks(layout: ShardLayout) -> list[AttentionBlock]:
     return blocks
 
 
+def autocast_inputs(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Queries, keys and values in the dtype autocast computes attention in (the queries' without autocast).
+
+    Under autocast, RMS-normed queries and keys come out in fp32 and values in bf16 (Qwen3's q/k norms); plain
+    SDPA casts them itself, but the kernels called here (through attention-bias tensors or torch's ring) do not,
+    and a cast before an exchange also halves what crosses the ranks.
+    """
+    device = query.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
+    return query.to(dtype), key.to(dtype), value.to(dtype)
+
+
 def gathered_kv_attention(
     query: Tensor,
     key: Tensor,
@@ -81,11 +93,8 @@ def gathered_kv_attention(
     Returns:
         ``[B, local tokens, heads, D]``, as transformers' attention functions return it.
     """
-    # The document masks are torch's attention-bias tensors, whose SDPA bypasses autocast's casting: under autocast
-    # (RMS-normed queries and keys in fp32, values in bf16) cast all three as autocast would, before the exchange.
-    device = query.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
-    query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    # The document masks are torch's attention-bias tensors, whose SDPA bypasses autocast's casting.
+    query, key, value = autocast_inputs(query, key, value)
     order = layout.gathered_order()
     key, value = gather_sequence(key, group, order), gather_sequence(value, group, order)
     groups = query.shape[1] // key.shape[1]
