@@ -195,6 +195,7 @@ class ContextParallelStrategy(FSDP2Strategy):
 
             config = causal_lm_config(recipe, getattr(self.lightning_module, "tokenizer", None))
             check_context_parallel(config, self.context_parallel_size, self.method)
+        self._fsdp_mesh = None  # flattened from the mesh this fit builds
         super().setup_environment()
 
     @override
