@@ -163,9 +163,12 @@ class SamplerIndices(Callback):
         (self.directory / f"indices.rank{trainer.global_rank}.json").write_text(json.dumps(indices))
 
 
-def _fit(case: Case, path: Path, accelerator: str, train: DataLoader, *extra: Callback, **options: Any) -> None:
+def _fit(
+    case: Case, path: Path, accelerator: str, train: DataLoader, *extra: Callback, max_steps: int = STEPS,
+    ckpt_path: Path | None = None, **options: Any,
+) -> Trainer:  # fmt: skip
     trainer = Trainer(
-        max_steps=STEPS,
+        max_steps=max_steps,
         accumulate_grad_batches=case.accumulate,
         precision=case.precision,
         callbacks=[*case.callbacks(), *extra, CountTokens(path)],
@@ -179,7 +182,28 @@ def _fit(case: Case, path: Path, accelerator: str, train: DataLoader, *extra: Ca
         **options,
     )
     validation = DataLoader([_rows(case, STEPS, 0)], batch_size=None) if case.validate else None
-    trainer.fit(_module(case), train, validation)
+    trainer.fit(_module(case), train, validation, ckpt_path=ckpt_path)
+    return trainer
+
+
+# A constant learning rate: the schedule of a 1-step run would differ from that of a 2-step one.
+RESUME = Case((11, 7, 13), {"cpu_offload": True}, {"min_lr_ratio": 1.0})
+
+
+def _run_resume(out: Path, accelerator: str, world: int) -> None:
+    """Two steps in one go; and one step, a distributed checkpoint, then the second step in a new Trainer."""
+    directory = out / "resume"
+    directory.mkdir(exist_ok=True)
+    loader = DataLoader(_batches(RESUME)[:1], batch_size=None)  # one epoch = one step: resumed at an epoch's start
+
+    def fit(file: str, **options: Any) -> Trainer:
+        strategy = ContextParallelStrategy(WORLD, **RESUME.strategy)
+        return _fit(RESUME, directory / file, accelerator, loader, devices=world, strategy=strategy,
+                    use_distributed_sampler=False, **options)  # fmt: skip
+
+    fit("straight.pt")
+    fit("first.pt", max_steps=1).save_checkpoint(directory / "checkpoint")
+    fit("resumed.pt", ckpt_path=directory / "checkpoint")
 
 
 class _Messages(logging.Handler):
@@ -200,10 +224,13 @@ def _worker(rank: int, names: list[str], out: Path, port: int, accelerator: str,
     messages = _Messages()
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addHandler(messages)
     for name in names:
-        case = ALL_CASES[name]
-        (out / name).mkdir(exist_ok=True)
         messages.messages.clear()
         try:
+            if name == "resume":
+                _run_resume(out, accelerator, world)
+                continue
+            case = ALL_CASES[name]
+            (out / name).mkdir(exist_ok=True)
             strategy = ContextParallelStrategy(context_parallel_size=WORLD, **case.strategy)
             path = out / name / "context_parallel.pt"
             if case.data_parallel == 1:  # every rank of the group the same rows, as the sampler would give them
@@ -241,7 +268,7 @@ def _launch(names: list[str], out: Path, accelerator: str, start_method: str, wo
 
 @pytest.fixture(scope="module")
 def distributed_runs(tmp_path_factory) -> Path:
-    return _launch(list(CASES), tmp_path_factory.mktemp("context-parallel-strategy"), "cpu", "fork")
+    return _launch([*CASES, "resume"], tmp_path_factory.mktemp("context-parallel-strategy"), "cpu", "fork")
 
 
 @pytest.fixture(scope="module")
@@ -258,10 +285,10 @@ def gpu_runs(tmp_path_factory) -> Path:
     return _launch(list(GPU_CASES), tmp_path_factory.mktemp("context-parallel-strategy-gpu"), "gpu", "spawn")
 
 
-def _result(out: Path, name: str) -> dict[str, Any]:
+def _result(out: Path, name: str, file: str = "context_parallel.pt") -> dict[str, Any]:
     for error in sorted(out.glob(f"{name}.rank*.error")):
         pytest.fail(f"the context-parallel run of {name} failed on {error.stem}:\n{error.read_text()}")
-    return torch.load(out / name / "context_parallel.pt", weights_only=True)
+    return torch.load(out / name / file, weights_only=True)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -317,6 +344,16 @@ def _assert_trains_as_one_process(
     for got, expected in zip(split_table, reference_table, strict=True):
         assert (got[0], got[1], got[3]) == (expected[0], expected[1], expected[3])
         assert float(got[2]) == pytest.approx(float(expected[2]), rel=1e-4)
+
+
+def test_a_resumed_context_parallel_run_reproduces_the_second_step_exactly(distributed_runs):
+    straight = _result(distributed_runs, "resume", "straight.pt")
+    first = _result(distributed_runs, "resume", "first.pt")
+    resumed = _result(distributed_runs, "resume", "resumed.pt")
+    assert first["losses"] == straight["losses"][:1] and resumed["losses"] == straight["losses"][1:]
+    for key, expected in straight["weights"].items():
+        torch.testing.assert_close(resumed["weights"][key], expected, rtol=0, atol=0, msg=key)
+    assert len(list((distributed_runs / "resume" / "checkpoint").glob("*.distcp"))) == WORLD
 
 
 @pytest.mark.parametrize("name", list(CASES))
