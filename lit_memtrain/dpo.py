@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
@@ -191,7 +192,7 @@ class DPOModule(CausalLMModule):
         self.model.eval()
         parts = []
         for batch in datamodule.reference_dataloader(split, replicas, rank):
-            logps, _ = self.sequence_logps(self.trainer.strategy.batch_to_device(batch))
+            logps, _ = self.sequence_logps(move_data_to_device(batch, self.device))
             parts.append(logps.float().view(2, -1))
         self.model.train(was_training)
         local = torch.cat(parts, dim=1)  # [2, pairs of this rank]: pair j of rank r is pair r + j * replicas
