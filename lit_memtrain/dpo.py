@@ -123,8 +123,8 @@ class DPOModule(CausalLMModule):
         if self.reference_mode != "adapter_disabled":
             raise RuntimeError(
                 "The batch has no reference log-probabilities (ref_chosen_logps / ref_rejected_logps). With "
-                "reference='precomputed' DPOModule computes them before training for a PreferenceDataModule; with "
-                "other data, add those columns to the dataset, or train a LoRA adapter (reference='adapter_disabled')."
+                "reference='precomputed' DPOModule computes them at fit start for a PreferenceDataModule; with other "
+                "data, add those columns to the dataset, or train a LoRA adapter (reference='adapter_disabled')."
             )
         with torch.no_grad(), self.model.disable_adapter():
             logps, _ = self.sequence_logps(batch)
@@ -163,15 +163,12 @@ class DPOModule(CausalLMModule):
             self.precompute_reference_logps()
 
     def precompute_reference_logps(self) -> None:
-        """Give the datamodule's training and validation pairs the current model's log-probabilities (once:
-        values restored from a checkpoint, or already in the dataset, are kept)."""
+        """Give the training and validation pairs of a :class:`PreferenceDataModule` the current model's
+        log-probabilities (once: values restored from a checkpoint, or already in the dataset, are kept). Other
+        data must carry ``ref_chosen_logps`` / ``ref_rejected_logps`` itself."""
         datamodule = self.trainer.datamodule
-        if not hasattr(datamodule, "set_reference_logps"):
-            raise TypeError(
-                f"reference='precomputed' computes the reference log-probabilities through a PreferenceDataModule, "
-                f"got {type(datamodule).__name__}. Use PreferenceDataModule, or train a LoRA adapter "
-                "(reference='adapter_disabled')."
-            )
+        if not hasattr(datamodule, "set_reference_logps"):  # other data must carry them: checked at each batch
+            return
         for split in ("train", "validation"):
             if split not in datamodule.datasets or datamodule.has_reference_logps(split):
                 continue

@@ -84,7 +84,7 @@ def make_preference(rng: random.Random) -> dict[str, list[dict[str, str]]]:
     }
 
 
-def write_embedded_preferences(path: Path, num_examples: int = 4000, seed: int = 1) -> Path:
+def write_embedded_preferences(path: Path, num_examples: int = 2000, seed: int = 1) -> Path:
     """Write ``num_examples`` preference pairs as JSON lines (``prompt``, ``chosen``, ``rejected`` per line)."""
     rng = random.Random(seed)
     path.parent.mkdir(parents=True, exist_ok=True)
