@@ -25,7 +25,7 @@ from lit_memtrain.datamodules.embedded import EMBEDDED, embedded_preference_path
 from lit_memtrain.datamodules.preference_collate import REFERENCE_COLUMNS, PreferenceCollator
 from lit_memtrain.datamodules.preference_tokenize import TruncationMode, detect_preference_format, tokenize_preference
 from lit_memtrain.datamodules.resumable import ResumableDataLoader, ResumableSampler
-from lit_memtrain.datamodules.sft import _template_error
+from lit_memtrain.datamodules.sft import SFTDataModule, _template_error
 from lit_memtrain.datamodules.sources import RawData, RowLocator, load_raw_dataset
 from lit_memtrain.datamodules.tokenize import TokenCounts
 from lit_memtrain.tokenizer import load_tokenizer
@@ -300,13 +300,10 @@ class PreferenceDataModule(LightningDataModule):
 
     # ------------------------------------------------------------------------------------ resume state
 
-    def state_dict(self) -> dict[str, Any]:
-        """The training dataloader's position, saved in checkpoints so a resumed run continues mid-epoch."""
-        return {"train_loader": self._train_loader.state_dict()} if self._train_loader is not None else {}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume the training dataloader from a checkpoint's position (before the loader is built)."""
-        self._train_loader_state = state_dict.get("train_loader")
+    # The training dataloader's position, saved in checkpoints and restored mid-epoch exactly as for SFT (the
+    # same attributes: ``_train_loader``, ``_train_loader_state``), Lightning's FSDP restore order included.
+    state_dict = SFTDataModule.state_dict
+    load_state_dict = SFTDataModule.load_state_dict
 
 
 def _lengths(table: Any, column: str) -> np.ndarray:

@@ -10,6 +10,7 @@ import datasets
 import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from transformers import AutoModelForCausalLM
 
 from lit_memtrain.callbacks import ActivationOffloading, GradientCheckpointing, TiledMLP
@@ -63,23 +64,25 @@ class _Record(Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-def _fit(callbacks: list[Callback]) -> tuple[list[float], dict[str, torch.Tensor], PreferenceDataModule]:
+def _fit(
+    callbacks: list[Callback], max_steps: int = 3, resume: Path | None = None
+) -> tuple[list[float], dict[str, torch.Tensor], PreferenceDataModule]:
     import random
 
     rng = random.Random(0)
     data = datasets.Dataset.from_list([make_preference(rng) for _ in range(12)])
     torch.manual_seed(0)
     module = DPOModule(
-        preset="tiny-qwen3", tokenizer="lit-memtrain/embedded", learning_rate=0.01, warmup=0,
+        preset="tiny-qwen3", tokenizer="lit-memtrain/embedded", learning_rate=0.01, warmup=0, min_lr_ratio=1.0,
         config_overrides={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "head_dim": 16},
     )
     datamodule = PreferenceDataModule(dataset=data, batch_size=4, max_length=64)
     record = _Record()
     trainer = Trainer(
-        max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[*callbacks, record],
+        max_steps=max_steps, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[*callbacks, record], enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
     )
-    trainer.fit(module, datamodule=datamodule)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
     return record.losses, {n: p.detach().clone() for n, p in module.model.named_parameters()}, datamodule
 
 
@@ -92,3 +95,12 @@ def test_memory_callbacks_train_dpo_as_without_them():
     assert other_losses == pytest.approx(losses, rel=1e-5)
     for name, weight in weights.items():  # AdamW turns float noise in near-zero gradients into steps of lr
         torch.testing.assert_close(other_weights[name], weight, rtol=1e-3, atol=1e-3 * float(weight.abs().max()))
+
+
+def test_a_resumed_dpo_run_keeps_the_initial_reference_and_the_data_position(tmp_path):
+    every_two = ModelCheckpoint(tmp_path, "{step}", every_n_train_steps=2, save_top_k=-1)
+    straight, weights, _ = _fit([every_two], max_steps=5)  # an epoch is three steps: resumes mid-epoch
+    resumed, resumed_weights, _ = _fit([], max_steps=5, resume=tmp_path / "step=2.ckpt")
+    assert resumed == pytest.approx(straight[2:], rel=1e-5)
+    for name, weight in weights.items():
+        torch.testing.assert_close(resumed_weights[name], weight, rtol=1e-3, atol=1e-3 * float(weight.abs().max()))
