@@ -58,7 +58,8 @@ class DPOModule(CausalLMModule):
 
     Logged (``train/`` and ``val/``): ``loss``, ``rewards/chosen``, ``rewards/rejected``,
     ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``, ``logps/rejected``: the names TRL's
-    ``DPOTrainer`` logs. The training loss of a step is the mean over its pairs.
+    ``DPOTrainer`` logs. The training loss is the mean over each micro-batch's pairs (with gradient
+accumulation, the mean of the micro-batches' means, as in TRL).
 
     Example:
         >>> module = DPOModule(preset="tiny-qwen3", tokenizer="lit-memtrain/embedded", beta=0.1)
@@ -162,10 +163,11 @@ class DPOModule(CausalLMModule):
         if self.reference_mode == "precomputed":
             self.precompute_reference_logps()
 
-    def precompute_reference_logps(self) -> None:
+    def precompute_reference_logps(self, compute: bool = True) -> None:
         """Give the training and validation pairs of a :class:`PreferenceDataModule` the current model's
-        log-probabilities (once: values restored from a checkpoint, or already in the dataset, are kept). Other
-        data must carry ``ref_chosen_logps`` / ``ref_rejected_logps`` itself."""
+        log-probabilities (once: values restored from a checkpoint, or already in the dataset, are kept;
+        ``compute=False`` applies those only). Other data must carry ``ref_chosen_logps`` /
+        ``ref_rejected_logps`` itself."""
         datamodule = self.trainer.datamodule
         if not hasattr(datamodule, "set_reference_logps"):  # other data must carry them: checked at each batch
             return
@@ -173,6 +175,8 @@ class DPOModule(CausalLMModule):
             if split not in datamodule.datasets or datamodule.has_reference_logps(split):
                 continue
             if split not in self.reference_logps:
+                if not compute:
+                    continue
                 self.reference_logps[split] = self._reference_pass(datamodule, split)
                 rank_zero_info(f"reference log-probabilities of {len(self.reference_logps[split][0])} {split} pairs computed")
             datamodule.set_reference_logps(split, *self.reference_logps[split])
@@ -201,7 +205,12 @@ class DPOModule(CausalLMModule):
     # ----------------------------------------------------------------------------------------- steps
 
     def setup(self, stage: str) -> None:
-        """Nothing to arrange: the loss is a mean over pairs, not over the step's tokens."""
+        """Validating a trained model (``stage="validate"``, after the datamodule's setup and before its loaders
+        are built): only reference values computed before its training, kept in its checkpoint, are the
+        reference's, so those are applied and none computed; without them each batch raises a clear error.
+        (Unlike CausalLMModule, nothing is arranged for fit: the loss is a mean over pairs, not over tokens.)"""
+        if stage == "validate" and self.reference_mode == "precomputed":
+            self.precompute_reference_logps(compute=False)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         loss, metrics = self.pair_loss(batch)

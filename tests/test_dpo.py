@@ -177,3 +177,18 @@ def test_clear_errors_for_bad_settings_and_missing_reference(saved_model):
     batch = datamodule.collator()([datamodule.datasets["train"][0]])
     with pytest.raises(RuntimeError, match="no reference log-probabilities"):
         _module(saved_model).pair_loss(batch)
+
+
+def test_validating_a_trained_model_takes_the_reference_from_its_checkpoint_only(saved_model):
+    def validate(module: DPOModule) -> dict:
+        datamodule = PreferenceDataModule(dataset=_conversational(), batch_size=2, max_length=512, val_size=2)
+        trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+        return trainer.validate(module, datamodule=datamodule, verbose=False)[0]
+
+    with pytest.raises(RuntimeError, match="no reference log-probabilities"):
+        validate(_module(saved_model))
+    module = _module(saved_model)
+    module.reference_logps = {"validation": (torch.tensor([-30.0, -31.0]), torch.tensor([-32.0, -33.0]))}
+    metrics = validate(module)
+    assert metrics["val/rewards/accuracies"] in (0.0, 0.5, 1.0) and "val/rewards/margins" in metrics
+    assert metrics["val/rewards/chosen"] == pytest.approx(0.1 * (metrics["val/logps/chosen"] + 30.5), rel=1e-5)
