@@ -9,6 +9,7 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
+import wandb
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from transformers import AutoModelForCausalLM
@@ -28,19 +29,24 @@ SMALL = "{hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, head_di
 def test_the_dpo_config_grows_the_reward_margin_through_the_cli(tmp_path, capsys):
     data = write_embedded_preferences(tmp_path / "pairs.jsonl", num_examples=40)
     export = tmp_path / "export"
-    main([
+    args = [
         "fit", "--config", DPO_CONFIG,
         "--trainer.max_steps=12", "--trainer.val_check_interval=12", "--trainer.limit_val_batches=1",
         "--trainer.enable_progress_bar=false", f"--trainer.logger.init_args.save_dir={tmp_path}",
         f"--model.config_overrides={SMALL}", "--model.learning_rate=0.01", f"--model.export_dir={export}",
         f"--data.dataset={data}", "--data.batch_size=8", "--data.val_size=8",
-    ])
+    ]
+    try:
+        main(args)
+    finally:
+        wandb.finish()  # the config logs to W&B (offline): later fits must not reuse this run
     out = capsys.readouterr().out
     first, last = map(float, re.search(r"train loss: first ([\d.]+) -> last ([\d.]+) over 12 steps", out).groups())
     start, end = map(float, re.search(r"reward margin: first (-?[\d.]+) -> last (-?[\d.]+)", out).groups())
     assert first == pytest.approx(0.6931, abs=1e-4) and start == 0  # the policy starts as its own reference
     assert last < first - 0.1 and end > 0.2
     assert AutoModelForCausalLM.from_pretrained(export).config.num_hidden_layers == 2
+    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))  # rewards/* went to W&B (offline)
 
 
 def test_the_dpo_config_parses_as_named_classes_with_the_tokenizer_linked():
