@@ -110,3 +110,30 @@ def test_a_resumed_dpo_run_keeps_the_initial_reference_and_the_data_position(tmp
     assert resumed == pytest.approx(straight[2:], rel=1e-5)
     for name, weight in weights.items():
         torch.testing.assert_close(resumed_weights[name], weight, rtol=1e-3, atol=1e-3 * float(weight.abs().max()))
+
+
+def test_a_lora_fit_takes_the_reference_from_the_base_model_with_memory_callbacks():
+    import random
+
+    from lit_memtrain.lora import LoraSettings
+
+    rng = random.Random(0)
+    data = datasets.Dataset.from_list([make_preference(rng) for _ in range(12)])
+    module = DPOModule(
+        preset="tiny-qwen3", tokenizer="lit-memtrain/embedded", learning_rate=0.01, warmup=0,
+        lora=LoraSettings(r=4, alpha=8, lm_head=True),
+        config_overrides={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "head_dim": 16},
+    )
+    datamodule = PreferenceDataModule(dataset=data, batch_size=4, max_length=64)
+    record = _Record()
+    trainer = Trainer(
+        max_steps=6, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[GradientCheckpointing(), TiledMLP(num_tiles=2), record],
+    )
+    module.configure_model()
+    base = {n: p.detach().clone() for n, p in module.model.named_parameters() if "lora_" not in n}
+    trainer.fit(module, datamodule=datamodule)
+    assert not datamodule.has_reference_logps("train")  # no pass before training: the base model, each step
+    assert record.losses[0] == pytest.approx(0.6931, abs=1e-4) and record.losses[-1] < record.losses[0]
+    assert float(trainer.callback_metrics["train/rewards/margins"]) > 0
+    assert all(torch.equal(p, base[n]) for n, p in module.model.named_parameters() if "lora_" not in n)
