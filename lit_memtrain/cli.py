@@ -15,6 +15,7 @@ import argparse
 import pickle
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -41,7 +42,9 @@ def _as_dict(spec: Any) -> dict[str, Any] | None:
 
 
 class MemTrainCLI(LightningCLI):
-    """LightningCLI for :class:`CausalLMModule` and :class:`SFTDataModule`.
+    """LightningCLI for :class:`CausalLMModule` and :class:`SFTDataModule`, or, in subclass mode, for any
+    subclass of :class:`CausalLMModule` (such as :class:`~lit_memtrain.dpo.DPOModule`) and any datamodule given
+    by ``class_path`` (:func:`main` picks the mode with :func:`names_model_class`).
 
     ``--optimizer`` / ``--lr_scheduler`` take any ``torch.optim`` optimizer / scheduler (and
     :mod:`lit_memtrain.optim`'s 8-bit and paged AdamW), linked to the module's ``optimizer`` / ``lr_scheduler``
@@ -160,9 +163,10 @@ def names_model_class(argv: list[str]) -> bool:
     if any(arg.startswith(("--model.class_path", "--model=")) for arg in argv):
         return True
     for path in configs:
-        with open(path) as f:
-            config = yaml.safe_load(f) or {}
-        if isinstance(config.get("model"), dict) and "class_path" in config["model"]:
+        if not Path(path).is_file():  # LightningCLI reports it
+            continue
+        config = yaml.safe_load(Path(path).read_text()) or {}
+        if isinstance(config, dict) and isinstance(config.get("model"), dict) and "class_path" in config["model"]:
             return True
     return False
 
