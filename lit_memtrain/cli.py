@@ -107,7 +107,7 @@ def _export(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     try:
         module = load_checkpoint(args.checkpoint)
-    except pickle.UnpicklingError as error:
+    except (pickle.UnpicklingError, ValueError) as error:
         parser.error(str(error).splitlines()[0])
     print(f"exported {args.checkpoint} to {module.export(args.output)}")
 

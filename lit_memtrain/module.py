@@ -11,6 +11,7 @@ attention mask, which is how transformers keeps packed documents from attending 
 
 from __future__ import annotations
 
+
 import importlib.util
 import math
 import pickle
@@ -708,6 +709,7 @@ class CausalLMModule(LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["lit_memtrain"] = {
+            "module_class": f"{type(self).__module__}.{type(self).__qualname__}",
             "train_tokens_seen": self.train_tokens_seen,
             "first_train_loss": self.first_train_loss,
             "last_train_loss": self.last_train_loss,
@@ -748,7 +750,9 @@ def load_checkpoint(path: str | Path, map_location: str = "cpu") -> CausalLMModu
     try:
         if Path(path).is_dir():
             return _load_distributed_checkpoint(Path(path))
-        return CausalLMModule.load_from_checkpoint(path, map_location=map_location, weights_only=True)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # reads no tensor data
+        module_class = _module_class(checkpoint)
+        return module_class.load_from_checkpoint(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as error:
         found = next((line.strip() for line in str(error).splitlines() if "GLOBAL" in line or "global" in line), "")
         raise pickle.UnpicklingError(
@@ -759,12 +763,30 @@ def load_checkpoint(path: str | Path, map_location: str = "cpu") -> CausalLMModu
         ) from error
 
 
+def _module_class(checkpoint: dict[str, Any]) -> type[CausalLMModule]:
+    """The LightningModule class that wrote ``checkpoint`` (``CausalLMModule`` for checkpoints that do not say).
+
+    Only this package's subclasses of :class:`CausalLMModule` (such as ``DPOModule``) are imported.
+    """
+    path = checkpoint.get("lit_memtrain", {}).get("module_class", f"{__name__}.CausalLMModule")
+    module_name, _, class_name = path.rpartition(".")
+    module_class = getattr(importlib.import_module(module_name), class_name, None) if module_name.startswith(
+        "lit_memtrain."
+    ) else None
+    if not (isinstance(module_class, type) and issubclass(module_class, CausalLMModule)):
+        raise ValueError(
+            f"The checkpoint was written by {path!r}, which is not a lit-memtrain module; load it in Python with "
+            "that class's load_from_checkpoint."
+        )
+    return module_class
+
+
 def _load_distributed_checkpoint(path: Path) -> CausalLMModule:
     """The module of a distributed checkpoint (a directory of shards and ``meta.pt``), whole, in this process."""
     import torch.distributed.checkpoint as dcp
 
     metadata = torch.load(path / "meta.pt", map_location="cpu", weights_only=True)
-    module = CausalLMModule(**metadata["hyper_parameters"])
+    module = _module_class(metadata)(**metadata["hyper_parameters"])
     module.configure_model()
     state = {"state_dict": module.state_dict()}
     dcp.load(state, checkpoint_id=path, no_dist=True)  # reads the shards of every rank into the full tensors

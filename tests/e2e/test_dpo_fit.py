@@ -103,13 +103,21 @@ def test_memory_callbacks_train_dpo_as_without_them():
         torch.testing.assert_close(other_weights[name], weight, rtol=1e-3, atol=1e-3 * float(weight.abs().max()))
 
 
-def test_a_resumed_dpo_run_keeps_the_initial_reference_and_the_data_position(tmp_path):
+def test_a_resumed_dpo_run_keeps_the_initial_reference_and_the_data_position(tmp_path, capsys):
     every_two = ModelCheckpoint(tmp_path, "{step}", every_n_train_steps=2, save_top_k=-1)
     straight, weights, _ = _fit([every_two], max_steps=5)  # an epoch is three steps: resumes mid-epoch
     resumed, resumed_weights, _ = _fit([], max_steps=5, resume=tmp_path / "step=2.ckpt")
     assert resumed == pytest.approx(straight[2:], rel=1e-5)
     for name, weight in weights.items():
         torch.testing.assert_close(resumed_weights[name], weight, rtol=1e-3, atol=1e-3 * float(weight.abs().max()))
+
+    main(["export", "--checkpoint", str(tmp_path / "step=4.ckpt"), "--output", str(tmp_path / "export")])
+    assert "exported" in capsys.readouterr().out
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export").state_dict()
+    saved = torch.load(tmp_path / "step=4.ckpt", weights_only=True)["state_dict"]
+    assert saved.keys() == {f"model.{name}" for name in exported}  # a DPO checkpoint exports as DPOModule wrote it
+    for name, weight in exported.items():
+        torch.testing.assert_close(weight, saved[f"model.{name}"], rtol=0, atol=0)
 
 
 def test_a_lora_fit_takes_the_reference_from_the_base_model_with_memory_callbacks():
