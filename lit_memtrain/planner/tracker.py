@@ -13,9 +13,10 @@ and in-place results share a storage and add nothing. A tensor subclass that wra
 local shard) is counted by the storages of what it wraps, not by the wrapper's own (which has the global
 size). A storage resized in place (``UntypedStorage.resize_``, which no dispatch mode sees: FSDP2 frees a
 gathered parameter's storage after use and re-allocates it for the next all-gather) is re-counted at its new
-size while the tracker is active. A module's parameters when it is called are ``parameters``, whatever made
-them: FSDP2 gathers a layer's parameters into buffers it allocates in the step and hands them to the module
-for its forward. The kind of a new storage is given by when it is made:
+size while the tracker is active. A module's parameters when it is called, and its submodules' when it returns,
+are ``parameters``, whatever made them: FSDP2 gathers a layer's parameters into buffers it allocates in the
+step and hands them to the module for its forward (the LM head's weight, which the chunked loss reads without
+calling the head, is relabelled when the root's forward returns). The kind of a new storage is given by when it is made:
 ``activations`` in forward, ``temporaries`` while autograd runs backward, ``optimizer_state`` during an
 optimizer step; a parameter's gradient is re-labelled ``gradients`` once autograd has accumulated it, and
 what existed before (parameters, buffers, optimizer state, inputs) is registered with :meth:`track_external`.
@@ -109,6 +110,7 @@ class MemoryTracker(TorchDispatchMode):
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
         self._restore_resize = original
         self._handles.append(torch.nn.modules.module.register_module_forward_pre_hook(self._module_called))
+        self._handles.append(torch.nn.modules.module.register_module_forward_hook(self._module_ran))
         return super().__enter__()
 
     def __exit__(self, *args: Any) -> None:
@@ -127,6 +129,12 @@ class MemoryTracker(TorchDispatchMode):
 
     def _module_called(self, module: torch.nn.Module, args: Any) -> None:
         for param in module.parameters(recurse=False):
+            self._add(param, "parameters")
+
+    def _module_ran(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """Also the parameters of submodules that were read but not called (an LM head whose weight the
+        chunked loss reads), as they are at the end of the module's forward."""
+        for param in module.parameters():
             self._add(param, "parameters")
 
     def _gradient_accumulated(self, param: Tensor) -> None:
