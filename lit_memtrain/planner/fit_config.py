@@ -118,6 +118,7 @@ def strategy_spec(strategy: Any, devices: Any = None, num_nodes: Any = None) -> 
         if kind == "context_parallel":
             options["context_parallel_size"] = int(init_args.get("context_parallel_size", 1))
             options["context_parallel_method"] = str(init_args.get("method", "ulysses"))
+            options["ring_backend"] = str(init_args.get("ring_backend", "all_gather"))
     else:
         kind = "not_simulated"
     return StrategySpec(name=name, world_size=world_size, kind=kind, **options)
@@ -169,7 +170,7 @@ def _live_strategy(strategy: Any) -> dict[str, Any]:
         init_args["mixed_precision"] = {
             name: str(getattr(policy, name)).removeprefix("torch.") for name in fields if getattr(policy, name) is not None
         }
-    for name in ("reshard_after_forward", "cpu_offload", "context_parallel_size", "method"):
+    for name in ("reshard_after_forward", "cpu_offload", "context_parallel_size", "method", "ring_backend"):
         if hasattr(strategy, name):
             init_args[name] = getattr(strategy, name)
     return {"class_path": type(strategy).__name__, "init_args": init_args}

@@ -130,6 +130,11 @@ def set_up_rank(model: torch.nn.Module, mesh: Any, strategy: StrategySpec, batch
         f"exchange {kept}."
     )
     notes = [note]
+    if method == "ring" and strategy.ring_backend != "all_gather":
+        notes.append(
+            f"ring_backend={strategy.ring_backend!r} (torch's ring kernels, CUDA) keeps one rotating block of keys and "
+            "values instead of the whole row's: the plan simulates the all-gather backend, an upper bound for it."
+        )
     if mask_sizes:
         dense = sum(2 * query * key * 4 for query, key in mask_sizes)
         notes.append(

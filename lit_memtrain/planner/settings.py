@@ -79,7 +79,7 @@ class StrategySpec:
     sharded strategy: the plan simulates one unsharded device and says so).
 
     The FSDP2 options (``mixed_precision``, ``reshard_after_forward``, ``cpu_offload``) and the context-parallel
-    ones (``context_parallel_size``, ``context_parallel_method``) are the strategy's ``init_args``, read without
+    ones (``context_parallel_size``, ``context_parallel_method``, ``ring_backend``) are the strategy's ``init_args``, read without
     importing the class.
     """
 
@@ -91,6 +91,7 @@ class StrategySpec:
     cpu_offload: bool = False
     context_parallel_size: int = 1
     context_parallel_method: str = "ulysses"
+    ring_backend: str = "all_gather"
 
     def __post_init__(self) -> None:
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:

@@ -118,7 +118,7 @@ def test_strategy_init_args_are_read_without_the_class():
     assert (spec.kind, spec.world_size, spec.context_parallel_size, spec.context_parallel_method) == (
         "context_parallel", 8, 4, "ring",
     )  # fmt: skip
-    assert spec.cpu_offload and spec.mixed_precision == "bf16"
+    assert spec.cpu_offload and spec.mixed_precision == "bf16" and spec.ring_backend == "all_gather"
     fsdp2 = strategy_spec({"class_path": "lit_memtrain.strategies.FSDP2Strategy", "init_args": {}}, 2, 2)
     assert (fsdp2.kind, fsdp2.world_size, fsdp2.cpu_offload) == ("fsdp2", 4, False)
 
