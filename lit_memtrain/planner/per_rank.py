@@ -99,12 +99,13 @@ def shard_model(model: torch.nn.Module, flat_mesh: Any, strategy: StrategySpec) 
 def set_up_rank(model: torch.nn.Module, mesh: Any, strategy: StrategySpec, batch: dict[str, Tensor]) -> RankSetup:
     """Rank 0's batch (its sequence shard under context parallelism) and attention.
 
-    ``batch`` is the whole micro-batch (``input_ids``, ``labels``) as real CPU tensors: the shard is cut from it
-    by the real :func:`shard_batch` and moved to the stand-in device (call inside ``FakeTensorMode``).
+    ``batch`` is the whole micro-batch (``input_ids``, ``labels``): with context parallelism real CPU tensors,
+    from which the shard is cut by the real :func:`shard_batch` and made fake on the stand-in device (call inside
+    ``FakeTensorMode``); without, the fake batch itself.
     """
     cp = strategy.context_parallel_size
     if cp == 1:
-        return RankSetup({key: _fake_copy(value) for key, value in batch.items()})
+        return RankSetup(batch)
     method = strategy.context_parallel_method
     attention = install_attention(model, mesh["context_parallel"].get_group(), method, ring_backend="all_gather")
     with unset_fake_temporarily(), _small_ring_masks() as mask_sizes:  # real CPU tensors: values are read

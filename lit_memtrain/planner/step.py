@@ -259,10 +259,14 @@ def _steady_state_optimizer(module: Any) -> torch.optim.Optimizer:
 
 
 def _batch(settings: PlanSettings, max_length: int) -> dict[str, Tensor]:
-    """The whole micro-batch, real tensors on the CPU (cut into a rank's shard and moved by ``set_up_rank``)."""
+    """The whole micro-batch: fake tensors on the stand-in device, or real CPU tensors when a context-parallel
+    rank's shard is cut from it (``set_up_rank`` runs the real ``shard_batch``, which reads values)."""
     shape = (1, settings.batch_size * max_length) if settings.padding_free else (settings.batch_size, max_length)
+    if settings.strategy.context_parallel_size == 1:
+        device = stand_in_device()
+        return {key: torch.zeros(shape, dtype=torch.long, device=device) for key in ("input_ids", "labels")}
     with unset_fake_temporarily():
-        return {"input_ids": torch.zeros(shape, dtype=torch.long), "labels": torch.zeros(shape, dtype=torch.long)}
+        return {key: torch.zeros(shape, dtype=torch.long) for key in ("input_ids", "labels")}
 
 
 def _ddp_buckets(module: Any, settings: PlanSettings, notes: list[str]) -> list[Tensor]:
