@@ -198,3 +198,16 @@ def test_bad_context_parallel_sizes_are_refused_clearly():
         assert status == 2, (args, stderr)
         assert message in stderr, (args, stderr)
         assert "Traceback" not in stderr
+
+
+def test_a_live_fsdp2_strategy_is_planned_with_its_options():
+    """What MemoryPlanCheck reads from the Trainer's strategy (settings_from_trainer)."""
+    from lit_memtrain.planner.fit_config import _live_strategy
+    from lit_memtrain.strategies import FSDP2Strategy
+    from lit_memtrain.strategies.fsdp2 import _mixed_precision_policy
+
+    live = FSDP2Strategy(mixed_precision="bf16", cpu_offload=True, reshard_after_forward=False)
+    spec = strategy_spec(_live_strategy(live), 2, 1)
+    assert (spec.kind, spec.world_size, spec.cpu_offload, spec.reshard_after_forward) == ("fsdp2", 2, True, False)
+    assert spec.mixed_precision == {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+    assert _mixed_precision_policy(spec.mixed_precision) == live.mp_policy
