@@ -90,8 +90,9 @@ def main() -> None:
         seconds = time.process_time() - start
         memory = step.memory
         peak, host = memory.device_peak / GIB, memory.host_peak / GIB
-        print(f"| {model} | {SETTINGS[setting]} | {gpus} | {method} | {TOKENS // gpus:,} | {peak:.2f} GiB | {memory.phase} | "
-              f"{host:.1f} GiB | {'yes' if peak <= usable else 'no'} | {seconds:.0f} |", flush=True)  # fmt: skip
+        fits = "yes" if peak <= usable else "no"
+        print(f"| {model} | {SETTINGS[setting]} | {gpus} | {method} | {TOKENS // gpus:,} | {peak:.2f} GiB | "
+              f"{memory.phase} | {host:.1f} GiB | {fits} | {seconds:.0f} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -167,8 +167,9 @@ def _live_strategy(strategy: Any) -> dict[str, Any]:
     policy = getattr(strategy, "mp_policy", None)
     if policy is not None:
         fields = ("param_dtype", "reduce_dtype", "output_dtype")
+        dtypes = {name: getattr(policy, name) for name in fields}
         init_args["mixed_precision"] = {
-            name: str(getattr(policy, name)).removeprefix("torch.") for name in fields if getattr(policy, name) is not None
+            name: str(dtype).removeprefix("torch.") for name, dtype in dtypes.items() if dtype is not None
         }
     for name in ("reshard_after_forward", "cpu_offload", "context_parallel_size", "method", "ring_backend"):
         if hasattr(strategy, name):

@@ -79,8 +79,8 @@ class StrategySpec:
     sharded strategy: the plan simulates one unsharded device and says so).
 
     The FSDP2 options (``mixed_precision``, ``reshard_after_forward``, ``cpu_offload``) and the context-parallel
-    ones (``context_parallel_size``, ``context_parallel_method``, ``ring_backend``) are the strategy's ``init_args``, read without
-    importing the class.
+    ones (``context_parallel_size``, ``context_parallel_method``, ``ring_backend``) are the strategy's
+    ``init_args``, read without importing the class.
     """
 
     name: str = "auto"
@@ -95,7 +95,9 @@ class StrategySpec:
 
     def __post_init__(self) -> None:
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
-            raise ValueError(f"The world size (trainer.devices x trainer.num_nodes) must be a positive int, got {self.world_size!r}.")
+            raise ValueError(
+                f"The world size (trainer.devices x trainer.num_nodes) must be a positive int, got {self.world_size!r}."
+            )
         size = self.context_parallel_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"context_parallel_size must be a positive int, got {size!r}.")
@@ -105,8 +107,8 @@ class StrategySpec:
             )
         if size > 1 and self.kind not in ("fsdp2", "context_parallel"):
             raise ValueError(
-                f"context_parallel_size={size} needs a sharded strategy (lit_memtrain.strategies.ContextParallelStrategy, "
-                f"or FSDP2Strategy for the plan), but trainer.strategy is {self.name!r}."
+                f"context_parallel_size={size} needs a sharded strategy (lit_memtrain.strategies."
+                f"ContextParallelStrategy, or FSDP2Strategy for the plan), but trainer.strategy is {self.name!r}."
             )
         if self.world_size % size:
             divisors = [d for d in range(1, self.world_size + 1) if self.world_size % d == 0]

@@ -133,7 +133,8 @@ TINY = [
 
 def test_cli_plans_one_rank_of_a_context_parallel_fsdp2_run():
     command = [sys.executable, "-m", "lit_memtrain.cli", "plan", *TINY, "--trainer.devices=4",
-               "--trainer.strategy.cpu_offload=true", "--context-parallel-size=2", "--data.max_length=4096", "--json"]  # fmt: skip
+               "--trainer.strategy.cpu_offload=true", "--context-parallel-size=2", "--data.max_length=4096",
+               "--json"]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     plan = json.loads(result.stdout)
