@@ -108,7 +108,7 @@ def set_up_rank(model: torch.nn.Module, mesh: Any, strategy: StrategySpec, batch
         return RankSetup(batch)
     method = strategy.context_parallel_method
     attention = install_attention(model, mesh["context_parallel"].get_group(), method, ring_backend="all_gather")
-    with unset_fake_temporarily(), _small_ring_masks() as mask_sizes:  # real CPU tensors: values are read
+    with unset_fake_temporarily():  # real CPU tensors: values are read
         shard = shard_batch(batch, 0, cp, method)
         attention.set_layout(shard.layout)
     attention._positions_checked = True  # the position check compares values, which fake tensors do not have
@@ -136,37 +136,7 @@ def set_up_rank(model: torch.nn.Module, mesh: Any, strategy: StrategySpec, batch
             f"ring_backend={strategy.ring_backend!r} (torch's ring kernels, CUDA) keeps one rotating block of keys and "
             "values instead of the whole row's: the plan simulates the all-gather backend, an upper bound for it."
         )
-    if mask_sizes:
-        dense = sum(2 * query * key * 4 for query, key in mask_sizes)
-        notes.append(
-            f"Not included: ring's all-gather path builds its lower-right causal masks with torch's CausalBias, whose "
-            f"constructor allocates a dense [2, queries, keys] fp32 CPU tensor: {dense / 2**30:,.1f} GiB of host "
-            "memory per batch here (a defect of the ring path, reported with issue 11; Ulysses has none)."
-        )
     return RankSetup(local, attention, tuple(notes))
-
-
-@contextmanager
-def _small_ring_masks() -> Iterator[list[tuple[int, int]]]:
-    """Make ring's lower-right causal masks 1 x 1 and list the sizes asked for.
-
-    ``CausalBias(variant, q, kv)`` allocates a dense ``[2, q, kv]`` fp32 tensor (``torch.Tensor.__new__`` with
-    sizes): terabytes at a million tokens. The simulated SDPA reads only that a mask is causal, so a 1 x 1 one
-    stands in, and the real size is reported as a note."""
-    from lit_memtrain.context_parallel import ring_attention
-
-    original = ring_attention.causal_lower_right
-    sizes: list[tuple[int, int]] = []
-
-    def small(query: int, key: int) -> CausalBias:
-        sizes.append((query, key))
-        return original(1, 1)
-
-    ring_attention.causal_lower_right = small
-    try:
-        yield sizes
-    finally:
-        ring_attention.causal_lower_right = original
 
 
 def _fake_copy(tensor: Tensor) -> Tensor:
