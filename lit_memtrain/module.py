@@ -709,7 +709,7 @@ class CausalLMModule(LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["lit_memtrain"] = {
-            "module_class": f"{type(self).__module__}.{type(self).__qualname__}",
+            "module_class": _lit_memtrain_class_path(type(self)),
             "train_tokens_seen": self.train_tokens_seen,
             "first_train_loss": self.first_train_loss,
             "last_train_loss": self.last_train_loss,
@@ -761,6 +761,13 @@ def load_checkpoint(path: str | Path, map_location: str = "cpu") -> CausalLMModu
             "loading. Only checkpoints written by lit-memtrain load here; if you wrote this one yourself and trust "
             "it, load it in Python with CausalLMModule.load_from_checkpoint(path, weights_only=False)."
         ) from error
+
+
+def _lit_memtrain_class_path(module_class: type) -> str:
+    """The import path of the closest lit-memtrain class ``module_class`` derives from (a user's subclass is
+    exported as the lit-memtrain module it extends)."""
+    base = next(cls for cls in module_class.__mro__ if cls.__module__.startswith("lit_memtrain."))
+    return f"{base.__module__}.{base.__qualname__}"
 
 
 def _module_class(checkpoint: dict[str, Any]) -> type[CausalLMModule]:
