@@ -69,8 +69,8 @@ def _place_by_size(counts: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
     taken = [0] * (capacity + 1)
     queued = [0] * (capacity + 1)
     has_open = np.zeros(capacity + 1, dtype=bool)
-    item_row = np.empty(int(counts.sum()), dtype=np.int64)
-    placed_so_far = num_rows = 0
+    steps: list[tuple[np.ndarray, int, int]] = []  # (rows, items per row, items placed), in placement order
+    num_rows = 0
 
     def enqueue(free: int, rows: np.ndarray) -> None:
         if free and len(rows):
@@ -108,14 +108,26 @@ def _place_by_size(counts: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
                 rows = np.arange(num_rows, num_rows + new_rows, dtype=np.int64)
                 num_rows += new_rows
             placed = min(left, len(rows) * per_row)
-            end = placed_so_far + placed
-            item_row[placed_so_far:end] = rows if per_row == 1 else rows.repeat(per_row)[:placed]
-            placed_so_far, left = end, left - placed
+            steps.append((rows, per_row, placed))
+            left -= placed
             full = placed // per_row
             enqueue(free - per_row * size, rows[:full])
             if full < len(rows):  # the last row took fewer items: it keeps more free space
                 enqueue(free - (placed - full * per_row) * size, rows[full:])
-    return item_row, num_rows
+    return _rows_of_items(steps), num_rows
+
+
+def _rows_of_items(steps: list[tuple[np.ndarray, int, int]]) -> np.ndarray:
+    """The row of each item: in each step every row takes ``per_row`` items in turn, the last one the rest."""
+    if not steps:
+        return np.zeros(0, dtype=np.int64)
+    rows = np.concatenate([step[0] for step in steps])
+    num_step_rows = np.array([len(step[0]) for step in steps])
+    per_row = np.array([step[1] for step in steps])
+    placed = np.array([step[2] for step in steps])
+    items_per_row = np.repeat(per_row, num_step_rows)
+    items_per_row[np.cumsum(num_step_rows) - 1] = placed - (num_step_rows - 1) * per_row
+    return np.repeat(rows, items_per_row)
 
 
 def _stable_argsort(values: np.ndarray, bound: int) -> np.ndarray:
