@@ -3,6 +3,10 @@
 ``fit`` and ``validate`` take ``--config configs/*.yaml`` and ``--model.*``, ``--data.*``, ``--trainer.*``
 arguments (also in the ``--key=value`` form a W&B sweep agent passes). The tokenizer is given once, as
 ``data.tokenizer``, and linked to the model so that exports carry it.
+
+The model and data sections hold :class:`CausalLMModule` and :class:`SFTDataModule` arguments, or, when a config
+names its classes (``model: {class_path: lit_memtrain.DPOModule, init_args: ...}``, as ``configs/dpo.yaml``
+does), any subclass of :class:`CausalLMModule` and any datamodule.
 """
 
 from __future__ import annotations
@@ -11,8 +15,11 @@ import argparse
 import pickle
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import yaml
+from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple
 from torch.optim import Optimizer
 
@@ -35,7 +42,9 @@ def _as_dict(spec: Any) -> dict[str, Any] | None:
 
 
 class MemTrainCLI(LightningCLI):
-    """LightningCLI for :class:`CausalLMModule` and :class:`SFTDataModule`.
+    """LightningCLI for :class:`CausalLMModule` and :class:`SFTDataModule`, or, in subclass mode, for any
+    subclass of :class:`CausalLMModule` (such as :class:`~lit_memtrain.dpo.DPOModule`) and any datamodule given
+    by ``class_path`` (:func:`main` picks the mode with :func:`names_model_class`).
 
     ``--optimizer`` / ``--lr_scheduler`` take any ``torch.optim`` optimizer / scheduler (and
     :mod:`lit_memtrain.optim`'s 8-bit and paged AdamW), linked to the module's ``optimizer`` / ``lr_scheduler``
@@ -45,9 +54,11 @@ class MemTrainCLI(LightningCLI):
     """
 
     def add_arguments_to_parser(self, parser) -> None:
-        parser.link_arguments("data.tokenizer", "model.tokenizer")
-        parser.add_optimizer_args((Optimizer,), link_to="model.optimizer")
-        parser.add_lr_scheduler_args(LRSchedulerTypeTuple, link_to="model.lr_scheduler")
+        model = "model.init_args" if self.subclass_mode_model else "model"
+        data = "data.init_args" if self.subclass_mode_data else "data"
+        parser.link_arguments(f"{data}.tokenizer", f"{model}.tokenizer")
+        parser.add_optimizer_args((Optimizer,), link_to=f"{model}.optimizer")
+        parser.add_lr_scheduler_args(LRSchedulerTypeTuple, link_to=f"{model}.lr_scheduler")
 
     @staticmethod
     def link_optimizers_and_lr_schedulers(parser) -> None:
@@ -96,7 +107,7 @@ def _export(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     try:
         module = load_checkpoint(args.checkpoint)
-    except pickle.UnpicklingError as error:
+    except (pickle.UnpicklingError, ValueError) as error:
         parser.error(str(error).splitlines()[0])
     print(f"exported {args.checkpoint} to {module.export(args.output)}")
 
@@ -145,6 +156,21 @@ SUBCOMMANDS: dict[str, Callable[[list[str]], None]] = {
 }
 
 
+def names_model_class(argv: list[str]) -> bool:
+    """Whether the arguments, or a ``--config`` file among them, give the model as a ``class_path``."""
+    configs = [value for flag, value in zip(argv, argv[1:]) if flag == "--config"]
+    configs += [arg.split("=", 1)[1] for arg in argv if arg.startswith("--config=")]
+    if any(arg.startswith(("--model.class_path", "--model=")) for arg in argv):
+        return True
+    for path in configs:
+        if not Path(path).is_file():  # LightningCLI reports it
+            continue
+        config = yaml.safe_load(Path(path).read_text()) or {}
+        if isinstance(config, dict) and isinstance(config.get("model"), dict) and "class_path" in config["model"]:
+            return True
+    return False
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point. Sets the allocator to expandable segments before anything initialises CUDA."""
     enable_expandable_segments()
@@ -154,9 +180,12 @@ def main(argv: list[str] | None = None) -> None:
         return
     if argv in ([], ["-h"], ["--help"]):
         print(_OWN_SUBCOMMANDS_HELP)
+    by_class_path = names_model_class(argv)
     MemTrainCLI(
         CausalLMModule,
-        SFTDataModule,
+        LightningDataModule if by_class_path else SFTDataModule,
+        subclass_mode_model=by_class_path,
+        subclass_mode_data=by_class_path,
         save_config_kwargs={"overwrite": True},
         args=argv,
     )

@@ -11,6 +11,7 @@ attention mask, which is how transformers keeps packed documents from attending 
 
 from __future__ import annotations
 
+
 import importlib.util
 import math
 import pickle
@@ -30,6 +31,7 @@ from torchmetrics import MeanMetric
 from transformers import PreTrainedModel
 
 from lit_memtrain.attention import SDPA_BY_DOCUMENT, VARLEN_BY_DOCUMENT, choose_document_attention
+from lit_memtrain.context_parallel import ATTENTION_NAMES as CONTEXT_PARALLEL_ATTENTION
 from lit_memtrain.lora import LoraSettings, apply_lora, head_weight
 from lit_memtrain.loss import IGNORE_INDEX, chunked_cross_entropy, cross_entropy, transform_logits
 from lit_memtrain.model_builder import (
@@ -49,16 +51,27 @@ from lit_memtrain.strategies.fsdp2 import FSDP2Strategy
 from lit_memtrain.strategies.parallelize import is_sharded, run_inside_forward
 from lit_memtrain.throughput import attention_pairs, count_tokens, peak_flops, training_flops
 
-_BATCH_ONLY_KEYS = ("labels", "num_trainable_tokens", "num_tokens", "seq_lengths", STEP_TRAINABLE_TOKENS)
+_BATCH_ONLY_KEYS = (
+    "labels", "shift_labels", "num_trainable_tokens", "num_tokens", "seq_lengths", "attention_pairs",
+    STEP_TRAINABLE_TOKENS,
+)  # fmt: skip
 _VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 # Attention implementations whose padding-free rows equal per-document runs in this project's tests
 # (tests/test_module_padding_free.py, tests/test_attention.py); any other is probed once at setup.
-_PROVEN_DOCUMENT_ATTENTION = frozenset({"eager", "sdpa", SDPA_BY_DOCUMENT})
+# Context-parallel attention keeps documents apart by the row's bounds (tests/context_parallel).
+_PROVEN_DOCUMENT_ATTENTION = frozenset({"eager", "sdpa", SDPA_BY_DOCUMENT, *CONTEXT_PARALLEL_ATTENTION.values()})
 
 
 def shift_targets(labels: Tensor) -> Tensor:
     """Targets aligned with each position: ``labels`` moved left by one, -100 at the last position."""
     return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def batch_targets(batch: dict[str, Any]) -> Tensor:
+    """The batch's targets aligned with each position: ``shift_labels`` as given (a sequence shard from
+    :class:`~lit_memtrain.strategies.ContextParallelStrategy`, shifted on the whole row before it was cut),
+    else ``labels`` shifted here."""
+    return batch["shift_labels"] if "shift_labels" in batch else shift_targets(batch["labels"])
 
 
 def _synchronize(device: torch.device) -> None:
@@ -387,7 +400,7 @@ class CausalLMModule(LightningModule):
         cross-entropy plus the token-weighted mean of the micro-batches' load-balancing losses.
         """
         self.run_setup_probes(batch)
-        targets = shift_targets(batch["labels"]).flatten()
+        targets = batch_targets(batch).flatten()
         coefficient = self.router_aux_weight()
         if self.hparams.loss_type == "nll":
             inputs = self._model_inputs(batch)
@@ -430,12 +443,13 @@ class CausalLMModule(LightningModule):
         return self._in_root_forward(self._token_losses, batch)
 
     def _token_losses(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor]:
-        targets = shift_targets(batch["labels"]).flatten()
+        shaped_targets = batch_targets(batch)
+        targets = shaped_targets.flatten()
         keep = targets != IGNORE_INDEX
         if "position_ids" in batch:
-            positions = batch["position_ids"].expand_as(batch["labels"]).flatten()
+            positions = batch["position_ids"].expand_as(shaped_targets).flatten()
         else:
-            positions = torch.arange(batch["labels"].shape[-1], device=targets.device).expand_as(batch["labels"])
+            positions = torch.arange(shaped_targets.shape[-1], device=targets.device).expand_as(shaped_targets)
             positions = positions.flatten()
         if self.hparams.loss_type == "nll":
             hidden = self.model(**self._model_inputs(batch)).logits.flatten(0, 1)[keep]
@@ -466,7 +480,7 @@ class CausalLMModule(LightningModule):
     @staticmethod
     def count_trainable_targets(batch: dict[str, Any]) -> int:
         """Target tokens the loss of ``batch`` sums over (labels after the shift that are not -100)."""
-        return int((shift_targets(batch["labels"]) != IGNORE_INDEX).sum())
+        return int((batch_targets(batch) != IGNORE_INDEX).sum())
 
     def setup(self, stage: str) -> None:
         if stage == "fit":
@@ -510,7 +524,7 @@ class CausalLMModule(LightningModule):
         scale = self.trainer.accumulate_grad_batches * self.trainer.world_size
         loss_sum = self.compute_loss(batch, num_items=1)
         loss = loss_sum * (scale / self._step_trainable_tokens(batch).clamp(min=1))
-        mean = loss_sum.detach() / (shift_targets(batch["labels"]) != IGNORE_INDEX).sum().clamp(min=1)
+        mean = self._micro_batch_mean(loss_sum.detach(), (batch_targets(batch) != IGNORE_INDEX).sum())
         if self._first_loss is None:  # kept on the device: reading it now would wait for the step to finish
             self._first_loss = mean
         self._last_loss = mean
@@ -519,6 +533,17 @@ class CausalLMModule(LightningModule):
         seen = self._tokens_seen
         self.log("train/tokens", seen.float() if isinstance(seen, Tensor) else float(seen))
         return loss
+
+    def _micro_batch_mean(self, loss_sum: Tensor, targets: Tensor) -> Tensor:
+        """The micro-batch's mean token loss; over the whole rows when each rank of a context-parallel group
+        holds a shard of them (one all-reduce of two numbers over the group)."""
+        mesh = self.device_mesh
+        split = mesh is not None and "context_parallel" in (mesh.mesh_dim_names or ())
+        if split and mesh["context_parallel"].size() > 1:
+            totals = torch.stack([loss_sum.float(), targets.float()])
+            torch.distributed.all_reduce(totals, group=mesh["context_parallel"].get_group())
+            loss_sum, targets = totals[0], totals[1]
+        return loss_sum / targets.clamp(min=1)
 
     @property
     def first_train_loss(self) -> float | None:
@@ -684,6 +709,7 @@ class CausalLMModule(LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["lit_memtrain"] = {
+            "module_class": f"{type(self).__module__}.{type(self).__qualname__}",
             "train_tokens_seen": self.train_tokens_seen,
             "first_train_loss": self.first_train_loss,
             "last_train_loss": self.last_train_loss,
@@ -724,7 +750,9 @@ def load_checkpoint(path: str | Path, map_location: str = "cpu") -> CausalLMModu
     try:
         if Path(path).is_dir():
             return _load_distributed_checkpoint(Path(path))
-        return CausalLMModule.load_from_checkpoint(path, map_location=map_location, weights_only=True)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # reads no tensor data
+        module_class = _module_class(checkpoint)
+        return module_class.load_from_checkpoint(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as error:
         found = next((line.strip() for line in str(error).splitlines() if "GLOBAL" in line or "global" in line), "")
         raise pickle.UnpicklingError(
@@ -735,12 +763,30 @@ def load_checkpoint(path: str | Path, map_location: str = "cpu") -> CausalLMModu
         ) from error
 
 
+def _module_class(checkpoint: dict[str, Any]) -> type[CausalLMModule]:
+    """The LightningModule class that wrote ``checkpoint`` (``CausalLMModule`` for checkpoints that do not say).
+
+    Only this package's subclasses of :class:`CausalLMModule` (such as ``DPOModule``) are imported.
+    """
+    path = checkpoint.get("lit_memtrain", {}).get("module_class", f"{__name__}.CausalLMModule")
+    module_name, _, class_name = path.rpartition(".")
+    module_class = getattr(importlib.import_module(module_name), class_name, None) if module_name.startswith(
+        "lit_memtrain."
+    ) else None
+    if not (isinstance(module_class, type) and issubclass(module_class, CausalLMModule)):
+        raise ValueError(
+            f"The checkpoint was written by {path!r}, which is not a lit-memtrain module; load it in Python with "
+            "that class's load_from_checkpoint."
+        )
+    return module_class
+
+
 def _load_distributed_checkpoint(path: Path) -> CausalLMModule:
     """The module of a distributed checkpoint (a directory of shards and ``meta.pt``), whole, in this process."""
     import torch.distributed.checkpoint as dcp
 
     metadata = torch.load(path / "meta.pt", map_location="cpu", weights_only=True)
-    module = CausalLMModule(**metadata["hyper_parameters"])
+    module = _module_class(metadata)(**metadata["hyper_parameters"])
     module.configure_model()
     state = {"state_dict": module.state_dict()}
     dcp.load(state, checkpoint_id=path, no_dist=True)  # reads the shards of every rank into the full tensors

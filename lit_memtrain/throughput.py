@@ -44,8 +44,11 @@ def attention_pairs(batch: Mapping[str, Any]) -> int | Tensor:
     an ``int`` when the documents' lengths are on the host, else a 0-d tensor on their device.
 
     Documents are the segments of ``cu_seq_lens_q`` (padding-free rows), else the rows' real lengths
-    (``attention_mask``), else whole rows.
+    (``attention_mask``), else whole rows. A sequence shard of a context-parallel group carries its share of
+    its rows' pairs as ``attention_pairs``.
     """
+    if "attention_pairs" in batch:
+        return batch["attention_pairs"]
     if "cu_seq_lens_q" in batch:
         bounds = torch.as_tensor(batch["cu_seq_lens_q"]).long()
         lengths = bounds[1:] - bounds[:-1]

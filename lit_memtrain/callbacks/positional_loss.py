@@ -100,7 +100,8 @@ class PositionalLoss(Callback):
     Needs ``validation_step`` to return a dict with ``token_losses`` (1-D, one loss per trained target token)
     and ``token_positions`` (1-D, each of those tokens' position in its document), as
     :class:`~lit_memtrain.module.CausalLMModule` does, and validation batches with unshifted ``labels``
-    (-100 = not trained) from which the target-token frequencies are counted.
+    (-100 = not trained) from which the target-token frequencies are counted, or, for the sequence shards of
+    :class:`~lit_memtrain.strategies.ContextParallelStrategy`, their ``shift_labels`` (shifted on the whole row).
 
     Args:
         bucket_width: positions per bucket. Give this or ``num_buckets``, not both.
@@ -174,11 +175,11 @@ class PositionalLoss(Callback):
                 f"of those tokens in its document); missing {missing}, got "
                 f"{keys if isinstance(outputs, Mapping) else type(outputs).__name__}. CausalLMModule returns both."
             )
-        if not isinstance(batch, Mapping) or "labels" not in batch:
+        if not isinstance(batch, Mapping) or not ({"labels", "shift_labels"} & set(batch)):
             found = list(batch) if isinstance(batch, Mapping) else type(batch).__name__
             raise ValueError(
                 "PositionalLoss counts the target tokens from the validation batch's 'labels' (unshifted, -100 = "
-                f"not trained), but the batch has no 'labels': got {found}."
+                f"not trained) or its 'shift_labels' (shifted), but the batch has neither: got {found}."
             )
         losses, positions = outputs["token_losses"].detach().flatten(), outputs["token_positions"].flatten().long()
         if losses.numel() != positions.numel():
@@ -190,7 +191,8 @@ class PositionalLoss(Callback):
             size = int(positions.max()) + 1
             self._loss_sums = _grow(self._loss_sums, size).index_add(0, positions, losses.to(self._loss_sums.dtype))
             self._counts = _grow(self._counts, size).index_add(0, positions, torch.ones_like(positions))
-        targets = batch["labels"][..., 1:].flatten()
+        # A context-parallel shard carries its targets already shifted (on the whole row) as shift_labels.
+        targets = batch["shift_labels"].flatten() if "shift_labels" in batch else batch["labels"][..., 1:].flatten()
         targets = targets[targets != IGNORE_INDEX]
         if targets.numel():
             vocabulary = max(int(targets.max()) + 1, self._token_counts.numel())

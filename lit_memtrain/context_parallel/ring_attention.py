@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.bias import CausalBias, causal_lower_right
+from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from lit_memtrain.context_parallel.exchange import gather_sequence
 from lit_memtrain.context_parallel.sharding import ShardLayout
 
-__all__ = ["AttentionBlock", "attention_blocks", "gathered_kv_attention"]
+__all__ = ["AttentionBlock", "attention_blocks", "autocast_inputs", "gathered_kv_attention", "lower_right_causal"]
 
 
 class AttentionBlock(NamedTuple):
@@ -46,6 +46,19 @@ class AttentionBlock(NamedTuple):
     mask: CausalBias | None
 
 
+def lower_right_causal(seq_len_q: int, seq_len_kv: int) -> CausalBias:
+    """torch's lower-right ``CausalBias`` without the dense tensor its constructor allocates.
+
+    ``causal_lower_right(q, kv)`` goes through ``torch.Tensor.__new__(variant, q, kv)``, which allocates an
+    uninitialised ``[2, q, kv]`` fp32 CPU tensor that nothing reads: 40 GB for a 50k-token chunk against 100k keys,
+    and an allocation failure at long lengths. SDPA reads only the variant and the two lengths, so the bias here
+    is an empty tensor carrying them.
+    """
+    bias = torch.Tensor._make_subclass(CausalBias, torch.empty(0))
+    bias.variant, bias.seq_len_q, bias.seq_len_kv = CausalVariant.LOWER_RIGHT, seq_len_q, seq_len_kv
+    return bias
+
+
 def attention_blocks(layout: ShardLayout) -> list[AttentionBlock]:
     """One block for every (local chunk, document) pair of this rank, in local order, covering the shard."""
     bounds = layout.cu_seq_lens.tolist()
@@ -54,10 +67,22 @@ def attention_blocks(layout: ShardLayout) -> list[AttentionBlock]:
         for first, last in zip(bounds[:-1], bounds[1:], strict=True):
             low, high = max(start, first), min(stop, last)
             if low < high:
-                mask = None if low == first else causal_lower_right(high - low, high - first)
+                mask = None if low == first else lower_right_causal(high - low, high - first)
                 blocks.append(AttentionBlock(offset + low - start, offset + high - start, first, high, mask))
         offset += stop - start
     return blocks
+
+
+def autocast_inputs(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Queries, keys and values in the dtype autocast computes attention in (the queries' without autocast).
+
+    Under autocast, RMS-normed queries and keys come out in fp32 and values in bf16 (Qwen3's q/k norms); plain
+    SDPA casts them itself, but the kernels called here (through attention-bias tensors or torch's ring) do not,
+    and a cast before an exchange also halves what crosses the ranks.
+    """
+    device = query.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
+    return query.to(dtype), key.to(dtype), value.to(dtype)
 
 
 def gathered_kv_attention(
@@ -81,6 +106,8 @@ def gathered_kv_attention(
     Returns:
         ``[B, local tokens, heads, D]``, as transformers' attention functions return it.
     """
+    # The document masks are torch's attention-bias tensors, whose SDPA bypasses autocast's casting.
+    query, key, value = autocast_inputs(query, key, value)
     order = layout.gathered_order()
     key, value = gather_sequence(key, group, order), gather_sequence(value, group, order)
     groups = query.shape[1] // key.shape[1]

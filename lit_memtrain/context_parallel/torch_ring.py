@@ -27,6 +27,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from lit_memtrain.context_parallel.ring_attention import autocast_inputs
 from lit_memtrain.context_parallel.sharding import ShardLayout
 
 __all__ = ["active_torch_ring_layout", "torch_ring_attention", "torch_ring_sdpa"]
@@ -104,6 +105,7 @@ def torch_ring_sdpa(query: Tensor, key: Tensor, value: Tensor, layout: ShardLayo
             "batch's layout: it would attend within the local shard only. Keep the context open from the forward "
             "through the backward (checkpointed layers run attention again in backward)."
         )
+    query, key, value = autocast_inputs(query, key, value)
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)

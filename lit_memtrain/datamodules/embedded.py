@@ -1,4 +1,4 @@
-"""The embedded default: a tokenizer and a conversational dataset made offline.
+"""The embedded default: a tokenizer, a conversational dataset and a preference dataset made offline.
 
 Why: the quickstart and the tests must run on a machine that cannot reach a model hub. We generate
 small, learnable chat tasks (two-digit addition, reversing and sorting words), train a byte-level BPE
@@ -58,6 +58,44 @@ def make_conversation(rng: random.Random) -> list[dict[str, str]]:
     return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
 
 
+def _wrong_answer(rng: random.Random, answer: str) -> str:
+    """A plausible wrong answer to one of :func:`make_conversation`'s questions: off by a little, or scrambled."""
+    if answer.isdigit():
+        return str(int(answer) + rng.choice([-1, 1]) * rng.randint(1, 9)).lstrip("-")
+    letters = list(answer)
+    for _ in range(10):
+        rng.shuffle(letters)
+        if "".join(letters) != answer:
+            return "".join(letters)
+    return answer + rng.choice(string.ascii_lowercase)  # every letter the same: one too many is still wrong
+
+
+def make_preference(rng: random.Random) -> dict[str, list[dict[str, str]]]:
+    """One preference pair in TRL's conversational explicit-prompt format: the exact answer is chosen over a wrong one."""
+    user, assistant = make_conversation(rng)
+    answer = assistant["content"]
+    wrong = _wrong_answer(rng, answer)
+    while wrong == answer:
+        wrong = _wrong_answer(rng, answer)
+    return {
+        "prompt": [user],
+        "chosen": [{"role": "assistant", "content": answer}],
+        "rejected": [{"role": "assistant", "content": wrong}],
+    }
+
+
+def write_embedded_preferences(path: Path, num_examples: int = 2000, seed: int = 1) -> Path:
+    """Write ``num_examples`` preference pairs as JSON lines (``prompt``, ``chosen``, ``rejected`` per line)."""
+    rng = random.Random(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w") as f:
+        for _ in range(num_examples):
+            f.write(json.dumps(make_preference(rng)) + "\n")
+    tmp.replace(path)
+    return path
+
+
 def write_embedded_dataset(path: Path, num_examples: int = 6000, seed: int = 0) -> Path:
     """Write ``num_examples`` conversations as JSON lines (one ``messages`` list per line)."""
     rng = random.Random(seed)
@@ -115,4 +153,12 @@ def embedded_dataset_path(cache_dir: Path | None = None) -> str:
     path = (cache_dir or default_cache_dir()) / "conversations.jsonl"
     if not path.exists():
         write_embedded_dataset(path)
+    return str(path)
+
+
+def embedded_preference_path(cache_dir: Path | None = None) -> str:
+    """JSON-lines file of the embedded preference dataset, created on first use."""
+    path = (cache_dir or default_cache_dir()) / "preferences.jsonl"
+    if not path.exists():
+        write_embedded_preferences(path)
     return str(path)

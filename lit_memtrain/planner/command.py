@@ -41,6 +41,12 @@ def _parser() -> argparse.ArgumentParser:
                         help="one row per technique added in turn, with its peak and longest length")  # fmt: skip
     parser.add_argument("--plot", metavar="FILE.png", default=None,
                         help="draw peak memory against sequence length per technique (implies --compare)")  # fmt: skip
+    parser.add_argument("--context-parallel-size", type=int, default=None, metavar="N",
+                        help="split each sequence over N ranks (context parallelism; sets the strategy's "
+                             "context_parallel_size; N must divide trainer.devices x trainer.num_nodes)")  # fmt: skip
+    parser.add_argument("--context-parallel-method", choices=("ulysses", "ring"), default=None,
+                        help="how the ranks of a sequence exchange attention's inputs (default: the strategy's, "
+                             "else ulysses)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--settings", metavar="FILE.json", default=None, help=argparse.SUPPRESS)
     return parser
@@ -81,6 +87,7 @@ def _plan(options: argparse.Namespace, fit_args: list[str]):
             settings = PlanSettings.from_dict(json.load(file))
     else:
         settings = _read_fit_arguments(fit_args)
+    settings = _with_context_parallel(settings, options.context_parallel_size, options.context_parallel_method)
     budget = gpu_budget(options.gpu_memory, DEFAULT_MARGIN if options.margin is None else options.margin)
     planner = Planner(settings, budget)
     report = PlanReport(settings, budget, planner.simulate())
@@ -102,6 +109,29 @@ def _plan(options: argparse.Namespace, fit_args: list[str]):
         )
         report.plot = options.plot
     return report
+
+
+def _with_context_parallel(settings, size: int | None, method: str | None):
+    """``settings`` with the context-parallel options of the command line, planned as ``ContextParallelStrategy``
+    (FSDP2 over every rank, each sequence split over ``size`` of them)."""
+    import dataclasses
+
+    if size is None and method is None:
+        return settings
+    strategy = settings.strategy
+    if strategy.kind == "not_simulated":
+        raise ValueError(
+            f"--context-parallel-size plans lit_memtrain.strategies.ContextParallelStrategy, but trainer.strategy is "
+            f"{strategy.name!r}; leave the strategy unset or use lit_memtrain.strategies.FSDP2Strategy."
+        )
+    changes = {"kind": "context_parallel"}
+    if strategy.kind != "context_parallel" and not strategy.sharded:
+        changes["name"] = "ContextParallelStrategy"
+    if size is not None:
+        changes["context_parallel_size"] = size
+    if method is not None:
+        changes["context_parallel_method"] = method
+    return settings.replace(strategy=dataclasses.replace(strategy, **changes))
 
 
 def _read_fit_arguments(fit_args: list[str]):

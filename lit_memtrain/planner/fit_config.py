@@ -87,13 +87,24 @@ def _device_count(devices: Any) -> int:
     return count if count > 0 else 1
 
 
+_FSDP2_OPTIONS = ("mixed_precision", "reshard_after_forward", "cpu_offload")
+
+
 def strategy_spec(strategy: Any, devices: Any = None, num_nodes: Any = None) -> StrategySpec:
-    """How the planner treats ``trainer.strategy`` (a name or a class_path/init_args dict)."""
+    """How the planner treats ``trainer.strategy`` (a name or a class_path/init_args dict).
+
+    The ``init_args`` of ``lit_memtrain.strategies.FSDP2Strategy`` and ``ContextParallelStrategy`` are read
+    as a dict: the classes are not imported (nor instantiated), so a plan needs neither a process group nor the
+    class itself.
+    """
     world_size = _device_count(devices) * int(num_nodes or 1)
+    options: dict[str, Any] = {}
     if isinstance(strategy, dict):
         name = str(strategy.get("class_path", "")).rsplit(".", 1)[-1]
+        init_args = dict(strategy.get("init_args") or {})
     else:
-        name = str(strategy or "auto")
+        name = str(strategy or "auto").rsplit(".", 1)[-1]
+        init_args = {}
     lowered = name.lower()
     if lowered == "auto":
         kind = "single_device" if world_size == 1 else "ddp"
@@ -101,9 +112,16 @@ def strategy_spec(strategy: Any, devices: Any = None, num_nodes: Any = None) -> 
         kind = "single_device"
     elif lowered.startswith("ddp"):
         kind = "ddp"
+    elif lowered in ("fsdp2strategy", "fsdp2", "contextparallelstrategy", "contextparallel"):
+        kind = "context_parallel" if lowered.startswith("context") else "fsdp2"
+        options = {key: init_args[key] for key in _FSDP2_OPTIONS if init_args.get(key) is not None}
+        if kind == "context_parallel":
+            options["context_parallel_size"] = int(init_args.get("context_parallel_size", 1))
+            options["context_parallel_method"] = str(init_args.get("method", "ulysses"))
+            options["ring_backend"] = str(init_args.get("ring_backend", "all_gather"))
     else:
         kind = "not_simulated"
-    return StrategySpec(name=name, world_size=world_size, kind=kind)
+    return StrategySpec(name=name, world_size=world_size, kind=kind, **options)
 
 
 def settings_from_trainer(trainer: Any, module: Any, datamodule: Any) -> PlanSettings:
@@ -138,7 +156,22 @@ def settings_from_trainer(trainer: Any, module: Any, datamodule: Any) -> PlanSet
         batch_size=int(datamodule.batch_size),
         padding_free=padding_free,
         accumulate_grad_batches=int(trainer.accumulate_grad_batches),
-        strategy=strategy_spec(type(trainer.strategy).__name__.removesuffix("Strategy") or "auto",
-                               trainer.num_devices, trainer.num_nodes),  # fmt: skip
+        strategy=strategy_spec(_live_strategy(trainer.strategy), trainer.num_devices, trainer.num_nodes),
         tokenizer=hparams.get("tokenizer"),
     )
+
+
+def _live_strategy(strategy: Any) -> dict[str, Any]:
+    """A live strategy as the class_path/init_args dict :func:`strategy_spec` reads (FSDP2 options included)."""
+    init_args: dict[str, Any] = {}
+    policy = getattr(strategy, "mp_policy", None)
+    if policy is not None:
+        fields = ("param_dtype", "reduce_dtype", "output_dtype")
+        dtypes = {name: getattr(policy, name) for name in fields}
+        init_args["mixed_precision"] = {
+            name: str(dtype).removeprefix("torch.") for name, dtype in dtypes.items() if dtype is not None
+        }
+    for name in ("reshard_after_forward", "cpu_offload", "context_parallel_size", "method", "ring_backend"):
+        if hasattr(strategy, name):
+            init_args[name] = getattr(strategy, name)
+    return {"class_path": type(strategy).__name__, "init_args": init_args}

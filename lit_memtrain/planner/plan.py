@@ -17,7 +17,7 @@ from typing import Any
 from lit_memtrain.planner.search import LengthSearch, find_max_length
 from lit_memtrain.planner.settings import PlanSettings
 from lit_memtrain.planner.step import StepSimulation, simulate_fit_step
-from lit_memtrain.planner.techniques import COMPARISON, SUGGESTIONS, Techniques, techniques_of, with_techniques
+from lit_memtrain.planner.techniques import SUGGESTIONS, Techniques, comparison_rows, techniques_of, with_techniques
 
 __all__ = ["DEFAULT_GPU_MEMORY_GIB", "DEFAULT_MARGIN", "Budget", "ComparisonRow", "Planner", "gpu_budget"]
 
@@ -121,6 +121,8 @@ class Planner:
         added: list[str] = []
         candidate = current
         for name, how in SUGGESTIONS:
+            if name == "cpu_offload" and not self.settings.strategy.sharded:
+                continue
             updated = _add(candidate, name)
             if updated == candidate:
                 continue
@@ -139,9 +141,9 @@ class Planner:
         }
 
     def comparison(self) -> list[ComparisonRow]:
-        """One row per technique added in turn (:data:`~lit_memtrain.planner.techniques.COMPARISON`)."""
+        """One row per technique added in turn (:func:`~lit_memtrain.planner.techniques.comparison_rows`)."""
         rows = []
-        for name, techniques, note in COMPARISON:
+        for name, techniques, note in comparison_rows(self.settings):
             row = ComparisonRow(name, techniques, note)
             if techniques is not None:
                 row.step = self.simulate(techniques)
@@ -159,6 +161,8 @@ def _add(techniques: Techniques, name: str) -> Techniques:
         return replace(techniques, chunked_loss=True)
     if name == "tiled_mlp":
         return replace(techniques, tiled_mlp=True)
+    if name == "cpu_offload":
+        return replace(techniques, cpu_offload=True)
     if name == "full_checkpointing":
         modes = {"selective": "full", "selective_offload": "offload"}
         return replace(techniques, checkpointing=modes.get(techniques.checkpointing, techniques.checkpointing))

@@ -15,9 +15,9 @@ __all__ = ["PlanReport"]
 
 GIB = 2**30
 _STRATEGY_NOTES = {
-    "not_simulated": "trainer.strategy={name!r} shards the model or the sequence across ranks, which the planner does "
-    "not simulate yet (it comes with the FSDP2 and context-parallel strategies, issues 10 and 11): the figures are "
-    "for one unsharded device, an upper bound of one rank's memory.",
+    "not_simulated": "trainer.strategy={name!r} shards the model or the sequence across ranks in a way the planner "
+    "does not simulate (it simulates lit_memtrain.strategies.FSDP2Strategy and ContextParallelStrategy): the figures "
+    "are for one unsharded device, an upper bound of one rank's memory.",
 }
 
 
@@ -74,6 +74,10 @@ class PlanReport:
                 "name": self.settings.strategy.name,
                 "world_size": self.settings.strategy.world_size,
                 "simulated": self.settings.strategy.kind != "not_simulated",
+                "kind": self.settings.strategy.kind,
+                "cpu_offload": self.settings.strategy.cpu_offload,
+                "context_parallel_size": self.settings.strategy.context_parallel_size,
+                "context_parallel_method": self.settings.strategy.context_parallel_method,
             },
             "notes": self.notes(),
         }
@@ -99,7 +103,7 @@ class PlanReport:
             f"({_count(self.step.trainable_parameters)} trainable), {self.step.layers} decoder layers",
             f"Step: {rows}, {settings.precision}, "
             f"{settings.accumulate_grad_batches} micro-batch(es) per optimizer step, strategy {settings.strategy.name} "
-            f"({settings.strategy.world_size} rank(s))",
+            f"({_ranks(settings)})",
             f"Techniques: {techniques_of(settings).describe()}",
             "",
             f"Peak device memory per rank: {memory.device_peak / GIB:,.2f} GiB, in {memory.phase}",
@@ -137,6 +141,20 @@ class PlanReport:
         return f"{header}\nDOES NOT FIT: {needed}."
 
 
+def _ranks(settings: PlanSettings) -> str:
+    strategy = settings.strategy
+    text = f"{strategy.world_size} rank(s)"
+    if strategy.sharded:
+        cp = strategy.context_parallel_size
+        text += ", parameters, gradients and optimizer state sharded over all of them"
+        if strategy.cpu_offload:
+            text += " and kept in host memory"
+        if cp > 1:
+            text += f"; each sequence split over {cp} ranks ({strategy.context_parallel_method})"
+        text += "; the figures are for one rank"
+    return text
+
+
 def _count(number: int) -> str:
     return f"{number / 1e9:.2f}B" if number >= 1e9 else f"{number / 1e6:.2f}M"
 
@@ -168,11 +186,11 @@ def _suggestion_text(suggestion: dict[str, Any], budget: Budget) -> str:
     )
     state_options = (
         "train a LoRA adapter (--model.lora.r=16), keep the weights in bf16 (--model.dtype=bfloat16), or shard them or "
-        "keep them in host memory (FSDP2 with cpu_offload, issue 10)"
+        "keep them in host memory (--trainer.strategy=lit_memtrain.strategies.FSDP2Strategy, cpu_offload: true)"
     )
     length_options = (
         "lower data.max_length (--find-max-length gives the longest that fits) or split the sequence across GPUs "
-        "(context parallelism, issue 11)"
+        "(lit_memtrain.strategies.ContextParallelStrategy; plan it with --context-parallel-size)"
     )
     if fixed > budget.usable:
         return f"{text} They alone do not fit: {state_options}."

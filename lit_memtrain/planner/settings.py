@@ -72,14 +72,56 @@ class StrategySpec:
     """The strategy named by ``trainer.strategy`` and how the planner treats it.
 
     ``kind``: ``single_device`` (one process), ``ddp`` (every rank holds the whole model and, with
-    Lightning's DDP defaults, one more copy of the gradients in its communication buckets), or
-    ``not_simulated`` (a sharded or sequence-parallel strategy: the plan simulates one unsharded device and
-    says so). Per-rank simulation of sharded and context-parallel strategies is added with those strategies.
+    Lightning's DDP defaults, one more copy of the gradients in its communication buckets), ``fsdp2``
+    (:class:`~lit_memtrain.strategies.FSDP2Strategy`: one rank of ``world_size`` is simulated, with torch's
+    ``fully_shard`` on a fake process group), ``context_parallel`` (``ContextParallelStrategy``: FSDP2 over all
+    ranks, and each sequence split over ``context_parallel_size`` of them), or ``not_simulated`` (another
+    sharded strategy: the plan simulates one unsharded device and says so).
+
+    The FSDP2 options (``mixed_precision``, ``reshard_after_forward``, ``cpu_offload``) and the context-parallel
+    ones (``context_parallel_size``, ``context_parallel_method``, ``ring_backend``) are the strategy's
+    ``init_args``, read without importing the class.
     """
 
     name: str = "auto"
     world_size: int = 1
-    kind: Literal["single_device", "ddp", "not_simulated"] = "single_device"
+    kind: Literal["single_device", "ddp", "fsdp2", "context_parallel", "not_simulated"] = "single_device"
+    mixed_precision: str | dict[str, Any] | None = None
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    context_parallel_size: int = 1
+    context_parallel_method: str = "ulysses"
+    ring_backend: str = "all_gather"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(
+                f"The world size (trainer.devices x trainer.num_nodes) must be a positive int, got {self.world_size!r}."
+            )
+        size = self.context_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"context_parallel_size must be a positive int, got {size!r}.")
+        if self.context_parallel_method not in ("ulysses", "ring"):
+            raise ValueError(
+                f"context_parallel_method must be 'ulysses' or 'ring', got {self.context_parallel_method!r}."
+            )
+        if size > 1 and self.kind not in ("fsdp2", "context_parallel"):
+            raise ValueError(
+                f"context_parallel_size={size} needs a sharded strategy (lit_memtrain.strategies."
+                f"ContextParallelStrategy, or FSDP2Strategy for the plan), but trainer.strategy is {self.name!r}."
+            )
+        if self.world_size % size:
+            divisors = [d for d in range(1, self.world_size + 1) if self.world_size % d == 0]
+            raise ValueError(
+                f"context_parallel_size={size} does not divide the world size {self.world_size} (trainer.devices x "
+                f"trainer.num_nodes): the ranks form groups of {size} that share a sequence. Use one of {divisors}, "
+                "or more devices."
+            )
+
+    @property
+    def sharded(self) -> bool:
+        """Whether one rank of an FSDP2-sharded model is simulated."""
+        return self.kind in ("fsdp2", "context_parallel")
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,6 @@ own, allocations only (no workspaces, no fragmentation).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Literal
 
 import torch
@@ -35,12 +34,12 @@ from lit_memtrain.planner.simulate import Checkpointing, MemoryReport, fake_caus
 from lit_memtrain.strategies.parallelize import parallelize, run_inside_forward
 from lit_memtrain.tiled_mlp import apply_tiled_mlp
 
-__all__ = ["simulate_sharded_step"]
+__all__ = ["fake_process_group", "simulate_sharded_step"]
 
 _FAKE_BACKEND = "lit_memtrain_fake"
 
 
-def _fake_process_group(world_size: int) -> None:
+def fake_process_group(world_size: int) -> None:
     """A process group of ``world_size`` ranks on the stand-in device where this process is rank 0."""
     from torch.testing._internal.distributed.fake_pg import FakeStore, _create_fake_pg
 
@@ -108,7 +107,7 @@ def simulate_sharded_step(
     """
     if world_size < 1 or seq_len < 1:
         raise ValueError(f"world_size and seq_len must be positive, got {world_size} and {seq_len}.")
-    _fake_process_group(world_size)
+    fake_process_group(world_size)
     from torch.distributed.device_mesh import init_device_mesh
 
     device = stand_in_device()
@@ -141,19 +140,4 @@ def simulate_sharded_step(
         }
         targets = torch.zeros(seq_len, dtype=torch.long, device=device)
         tracked = (model, *inputs.values(), targets) + ((adamw,) if adamw is not None else ())
-        report = measure_peak(lambda: _step(model, adamw, inputs, targets, loss), *tracked)
-        return dataclasses.replace(report, fixed=_fixed_bytes_per_rank(model, adamw, device))
-
-
-def _fixed_bytes_per_rank(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device) -> int:
-    """This rank's shards of the parameters, of one gradient per trainable parameter and of the AdamW state, on the device."""
-    from torch.distributed.tensor import DTensor
-
-    def local(tensor: Tensor) -> Tensor:
-        return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-    tensors = [(local(param), 2 if param.requires_grad else 1) for param in model.parameters()]
-    if optimizer is not None:
-        states = optimizer.state.values()
-        tensors += [(local(value), 1) for state in states for value in state.values() if isinstance(value, Tensor)]
-    return sum(tensor.nbytes * copies for tensor, copies in tensors if tensor.device == device)
+        return measure_peak(lambda: _step(model, adamw, inputs, targets, loss), *tracked)

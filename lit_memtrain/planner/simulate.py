@@ -69,6 +69,7 @@ from lit_memtrain.tiled_mlp import apply_tiled_mlp
 __all__ = [
     "MemoryReport",
     "fake_causal_lm",
+    "fixed_bytes",
     "measure_peak",
     "simulate_step",
     "stand_in_device",
@@ -240,7 +241,11 @@ def _shared_parameters(model: torch.nn.Module) -> list[list[str]]:
     return [names for names in names_by_parameter.values() if len(names) > 1]
 
 
-def _fixed_bytes(tracked: tuple[object, ...]) -> int:
+def fixed_bytes(tracked: Iterable[object]) -> int:
+    """The tracked modules' parameters, one gradient per trainable parameter and the tracked optimizers' state
+    on the stand-in device (a ``DTensor``'s local shard only: this rank's part)."""
+    from torch.distributed.tensor import DTensor
+
     device = stand_in_device()
     tensors: list[tuple[Tensor, int]] = []
     for obj in tracked:
@@ -249,6 +254,7 @@ def _fixed_bytes(tracked: tuple[object, ...]) -> int:
         elif isinstance(obj, torch.optim.Optimizer):
             states = obj.state.values()
             tensors += [(value, 1) for state in states for value in state.values() if isinstance(value, Tensor)]
+    tensors = [(tensor.to_local() if isinstance(tensor, DTensor) else tensor, copies) for tensor, copies in tensors]
     return sum(tensor.nbytes * copies for tensor, copies in tensors if tensor.device == device)
 
 
@@ -277,7 +283,7 @@ def measure_peak(
         device_peak=tracker.peak.get(device, 0),
         host_peak=tracker.peak.get(host, 0),
         device_at_peak=tracker.peak_breakdown.get(device, {}),
-        fixed=_fixed_bytes(tracked),
+        fixed=fixed_bytes(tracked),
         phase=tracker.peak_phase.get(device, ""),
         host_at_peak=tracker.peak_breakdown.get(host, {}),
     )

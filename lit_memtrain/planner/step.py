@@ -40,11 +40,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from lit_memtrain.layers import find_decoder_layers
 from lit_memtrain.lora import LoraSettings, apply_lora
 from lit_memtrain.model_builder import DTYPES, ModelRecipe, causal_lm_config
+from lit_memtrain.planner.per_rank import check_strategy, device_mesh, flash_sdpa, set_up_rank, shard_model
 from lit_memtrain.planner.settings import SIMULATED_CALLBACKS, PlanSettings
 from lit_memtrain.planner.simulate import (
     STAND_IN_DEVICE,
@@ -112,16 +113,22 @@ def simulate_fit_step(settings: PlanSettings, max_length: int | None = None) -> 
     build_dtype = _build_dtype(module.recipe, model_config)
     convert_dtype = _TRUE_PRECISION_DTYPES.get(settings.precision)
     callbacks = [spec.instantiate() for spec in settings.callbacks if issubclass(spec.resolve(), SIMULATED_CALLBACKS)]
-    trainer = _StepTrainer(settings.accumulate_grad_batches, settings.strategy.world_size)
+    strategy = settings.strategy
+    trainer = _StepTrainer(settings.accumulate_grad_batches, strategy.world_size)
     device = stand_in_device()
+    check_strategy(strategy, model_config)
 
     def prepare(model: torch.nn.Module) -> torch.nn.Module:
         if module.lora is not None:
             model = apply_lora(model, module.lora)
         return model.to(dtype=convert_dtype) if convert_dtype is not None else model
 
+    rank = None
+    mesh, flat_mesh = device_mesh(strategy) if strategy.sharded else (None, None)
     with FakeTensorMode(allow_non_fake_inputs=True):
         module.model = fake_causal_lm(model_config, build_dtype, prepare)
+        if flat_mesh is not None:
+            shard_model(module.model, flat_mesh, strategy)
         module.trainer = trainer
         module._device = device  # what LightningModule.to(device) records; the weights are already there
         # The setup probes read values, which fake tensors have none of; a logit scale or cap the chunked loss
@@ -131,18 +138,22 @@ def simulate_fit_step(settings: PlanSettings, max_length: int | None = None) -> 
             for callback in callbacks:
                 callback.on_fit_start(trainer, module)
             optimizer = _steady_state_optimizer(module)
-            batch = _batch(settings, max_length, device)
+            rank = set_up_rank(module.model, mesh, strategy, _batch(settings, max_length))
+            module._isolation_proven_for = module.model.config._attn_implementation  # a probe of values
+            notes += rank.notes
             buckets = _ddp_buckets(module, settings, notes)
-            with tiles_simulated_once():
+            with tiles_simulated_once(), flash_sdpa():
                 memory = measure_peak(
-                    lambda: _lightning_step(module, optimizer, batch, callbacks, settings),
+                    lambda: _lightning_step(module, optimizer, rank.batch, callbacks, settings),
                     module,
                     optimizer,
-                    *batch.values(),
+                    *rank.batch.values(),
                     labelled=[(bucket, "gradients") for bucket in buckets],
                     model=module.model,
                 )
         finally:
+            if rank is not None:
+                rank.uninstall()
             for callback in callbacks:
                 callback.teardown(trainer, module, "fit")
             module.trainer = None
@@ -247,12 +258,15 @@ def _steady_state_optimizer(module: Any) -> torch.optim.Optimizer:
     return optimizer
 
 
-def _batch(settings: PlanSettings, max_length: int, device: torch.device) -> dict[str, Tensor]:
+def _batch(settings: PlanSettings, max_length: int) -> dict[str, Tensor]:
+    """The whole micro-batch: fake tensors on the stand-in device, or real CPU tensors when a context-parallel
+    rank's shard is cut from it (``set_up_rank`` runs the real ``shard_batch``, which reads values)."""
     shape = (1, settings.batch_size * max_length) if settings.padding_free else (settings.batch_size, max_length)
-    return {
-        "input_ids": torch.zeros(shape, dtype=torch.long, device=device),
-        "labels": torch.zeros(shape, dtype=torch.long, device=device),
-    }
+    if settings.strategy.context_parallel_size == 1:
+        device = stand_in_device()
+        return {key: torch.zeros(shape, dtype=torch.long, device=device) for key in ("input_ids", "labels")}
+    with unset_fake_temporarily():
+        return {key: torch.zeros(shape, dtype=torch.long) for key in ("input_ids", "labels")}
 
 
 def _ddp_buckets(module: Any, settings: PlanSettings, notes: list[str]) -> list[Tensor]:

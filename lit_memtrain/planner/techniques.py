@@ -2,13 +2,15 @@
 
 Why a small description of its own: ``--compare`` replays the same model, precision and batch with the
 techniques added one at a time, and a plan that does not fit says which technique to add. Both edit the
-same four things of :class:`~lit_memtrain.planner.settings.PlanSettings`: the loss, the checkpointing
-callback's mode, the tiled-MLP callback, the activation-offloading callback. Options the user gave those
+same things of :class:`~lit_memtrain.planner.settings.PlanSettings`: the loss, the checkpointing
+callback's mode, the tiled-MLP callback, the activation-offloading callback, and for the sharded strategies
+(FSDP2, context parallel) ``cpu_offload`` and the context-parallel size. Options the user gave those
 callbacks (``layers_path``, ``num_tiles``, offloading thresholds) are kept when a technique stays on.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -17,7 +19,7 @@ from lit_memtrain.callbacks.gradient_checkpointing import GradientCheckpointing
 from lit_memtrain.callbacks.tiled_mlp import TiledMLP
 from lit_memtrain.planner.settings import CallbackSpec, PlanSettings
 
-__all__ = ["COMPARISON", "SUGGESTIONS", "Techniques", "techniques_of", "with_techniques"]
+__all__ = ["SUGGESTIONS", "Techniques", "comparison_rows", "techniques_of", "with_techniques"]
 
 Checkpointing = Literal["full", "selective", "offload", "selective_offload"]
 
@@ -30,6 +32,8 @@ class Techniques:
     chunked_loss: bool = False
     tiled_mlp: bool = False
     activation_offloading: bool = False
+    cpu_offload: bool = False
+    context_parallel_size: int = 1
 
     def describe(self) -> str:
         parts = []
@@ -44,6 +48,8 @@ class Techniques:
             ("chunked loss", self.chunked_loss),
             ("tiled MLP", self.tiled_mlp),
             ("activation offloading", self.activation_offloading),
+            ("CPU-offloaded state", self.cpu_offload),
+            (f"context parallel over {self.context_parallel_size} ranks", self.context_parallel_size > 1),
         ) if on]  # fmt: skip
         return ", ".join(parts) or "none"
 
@@ -62,6 +68,8 @@ def techniques_of(settings: PlanSettings) -> Techniques:
         chunked_loss=settings.module.get("loss_type", "chunked") == "chunked",
         tiled_mlp=settings.callback(TiledMLP) is not None,
         activation_offloading=settings.callback(ActivationOffloading) is not None,
+        cpu_offload=settings.strategy.cpu_offload,
+        context_parallel_size=settings.strategy.context_parallel_size,
     )
 
 
@@ -83,24 +91,47 @@ def with_techniques(settings: PlanSettings, techniques: Techniques) -> PlanSetti
     if techniques.activation_offloading:
         callbacks.append(_spec(settings, ActivationOffloading))
     module = {**settings.module, "loss_type": "chunked" if techniques.chunked_loss else "nll"}
-    return settings.replace(module=module, callbacks=tuple(callbacks))
+    strategy = dataclasses.replace(
+        settings.strategy, cpu_offload=techniques.cpu_offload, context_parallel_size=techniques.context_parallel_size
+    )
+    return settings.replace(module=module, callbacks=tuple(callbacks), strategy=strategy)
 
 
 # One row per technique added in turn. Activation offloading moves the same tensors as offloaded
 # checkpoints (each layer's input, under checkpointing) by another mechanism, so its row replaces that one
-# instead of adding to it (on top of offloaded checkpoints it would find nothing left to move).
+# instead of adding to it (on top of offloaded checkpoints it would find nothing left to move); the rows after
+# it build on offloaded checkpoints.
 _FULL = Techniques(checkpointing="full", chunked_loss=True, tiled_mlp=True)
-COMPARISON: list[tuple[str, Techniques | None, str]] = [
-    ("plain", Techniques(), ""),
-    ("+ checkpointing", Techniques(checkpointing="full"), ""),
-    ("+ chunked loss", Techniques(checkpointing="full", chunked_loss=True), ""),
-    ("+ tiled MLP", _FULL, ""),
-    ("+ offloaded checkpoints", Techniques(checkpointing="offload", chunked_loss=True, tiled_mlp=True), ""),
-    ("+ activation offloading", Techniques(checkpointing="full", chunked_loss=True, tiled_mlp=True,
-                                           activation_offloading=True), "in place of offloaded checkpoints"),
-    ("+ CPU-offloaded state", None, "needs the FSDP2 strategy with cpu_offload (issue 10)"),
-    ("+ context parallel", None, "needs the context-parallel strategy (issue 11)"),
-]  # fmt: skip
+_OFFLOADED = Techniques(checkpointing="offload", chunked_loss=True, tiled_mlp=True)
+
+
+def comparison_rows(settings: PlanSettings) -> list[tuple[str, Techniques | None, str]]:
+    """``--compare``'s rows for ``settings``: (name, techniques or None when the strategy cannot have it, note).
+
+    The strategy's own rows: CPU-offloaded state for a sharded strategy (FSDP2 or context parallel), context
+    parallelism when the configuration splits sequences (``context_parallel_size > 1``). The rows before them
+    run the same strategy without them.
+    """
+    strategy = settings.strategy
+    offloaded_state = dataclasses.replace(_OFFLOADED, cpu_offload=True)
+    cp = strategy.context_parallel_size
+    return [
+        ("plain", Techniques(), ""),
+        ("+ checkpointing", Techniques(checkpointing="full"), ""),
+        ("+ chunked loss", Techniques(checkpointing="full", chunked_loss=True), ""),
+        ("+ tiled MLP", _FULL, ""),
+        ("+ offloaded checkpoints", _OFFLOADED, ""),
+        ("+ activation offloading", dataclasses.replace(_FULL, activation_offloading=True),
+         "in place of offloaded checkpoints"),
+        ("+ CPU-offloaded state", offloaded_state, "") if strategy.sharded else
+        ("+ CPU-offloaded state", None,
+         "needs --trainer.strategy=lit_memtrain.strategies.FSDP2Strategy (cpu_offload: true)"),
+        ("+ context parallel", dataclasses.replace(offloaded_state, context_parallel_size=cp),
+         f"{cp} ranks per sequence, {strategy.context_parallel_method}") if cp > 1 else
+        ("+ context parallel", None,
+         "needs lit_memtrain.strategies.ContextParallelStrategy or --context-parallel-size"),
+    ]  # fmt: skip
+
 
 # What a plan that does not fit tries, in this order, each on top of the previous ones: (name, how to add it).
 SUGGESTIONS: list[tuple[str, str]] = [
@@ -110,4 +141,5 @@ SUGGESTIONS: list[tuple[str, str]] = [
     ("offload", "offloaded checkpoints (GradientCheckpointing with init_args offload: true)"),
     ("full_checkpointing",
      "full instead of selective checkpointing (GradientCheckpointing with init_args selective: false)"),
+    ("cpu_offload", "CPU-offloaded state (FSDP2Strategy with init_args cpu_offload: true)"),
 ]

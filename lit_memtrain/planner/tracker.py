@@ -9,7 +9,14 @@ the largest total per device and the breakdown and phase at that moment.
 
 How bytes are counted: every tensor an operation returns is looked at once per storage; a new storage adds
 its ``nbytes`` to its device and kind, and a weak reference removes them when the storage is freed. Views
-and in-place results share a storage and add nothing. The kind of a new storage is given by when it is made:
+and in-place results share a storage and add nothing. A tensor subclass that wraps others (a ``DTensor``: its
+local shard) is counted by the storages of what it wraps, not by the wrapper's own (which has the global
+size). A storage resized in place (``UntypedStorage.resize_``, which no dispatch mode sees: FSDP2 frees a
+gathered parameter's storage after use and re-allocates it for the next all-gather) is re-counted at its new
+size while the tracker is active. A module's parameters when it is called, and its submodules' when it returns,
+are ``parameters``, whatever made them: FSDP2 gathers a layer's parameters into buffers it allocates in the
+step and hands them to the module for its forward (the LM head's weight, which the chunked loss reads without
+calling the head, is relabelled when the root's forward returns). The kind of a new storage is given by when it is made:
 ``activations`` in forward, ``temporaries`` while autograd runs backward, ``optimizer_state`` during an
 optimizer step; a parameter's gradient is re-labelled ``gradients`` once autograd has accumulated it, and
 what existed before (parameters, buffers, optimizer state, inputs) is registered with :meth:`track_external`.
@@ -27,7 +34,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 __all__ = ["KINDS", "MemoryTracker"]
 
@@ -92,7 +99,22 @@ class MemoryTracker(TorchDispatchMode):
         """Bytes alive on ``device`` right now."""
         return sum(self.live.get(device, {}).values())
 
+    def __enter__(self) -> MemoryTracker:
+        original = torch.UntypedStorage.resize_
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+            result = original(storage, size)
+            self._resized(storage)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        self._restore_resize = original
+        self._handles.append(torch.nn.modules.module.register_module_forward_pre_hook(self._module_called))
+        self._handles.append(torch.nn.modules.module.register_module_forward_hook(self._module_ran))
+        return super().__enter__()
+
     def __exit__(self, *args: Any) -> None:
+        torch.UntypedStorage.resize_ = self._restore_resize  # type: ignore[method-assign]
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -104,6 +126,16 @@ class MemoryTracker(TorchDispatchMode):
             return "optimizer step"
         stage = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
         return f"{stage}, {self.where}" if self.where else stage
+
+    def _module_called(self, module: torch.nn.Module, args: Any) -> None:
+        for param in module.parameters(recurse=False):
+            self._add(param, "parameters")
+
+    def _module_ran(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """Also the parameters of submodules that were read but not called (an LM head whose weight the
+        chunked loss reads), as they are at the end of the module's forward."""
+        for param in module.parameters():
+            self._add(param, "parameters")
 
     def _gradient_accumulated(self, param: Tensor) -> None:
         if param.grad is not None:
@@ -129,6 +161,13 @@ class MemoryTracker(TorchDispatchMode):
 
     def _add(self, tensor: Tensor, kind: str, relabel: bool = True) -> None:
         """Count ``tensor``'s storage under ``kind``; a storage already counted moves to ``kind`` if ``relabel``."""
+        if is_traceable_wrapper_subclass(tensor):
+            names, _ = tensor.__tensor_flatten__()
+            for name in names:
+                inner = getattr(tensor, name)
+                if isinstance(inner, Tensor):
+                    self._add(inner, kind, relabel)
+            return
         storage = tensor.untyped_storage()
         key = id(storage)
         known = self._storages.get(key)
@@ -146,6 +185,22 @@ class MemoryTracker(TorchDispatchMode):
         kinds = self.live.setdefault(device, dict.fromkeys(KINDS, 0))
         kinds[kind] += nbytes
         self._storages[key] = (weakref.ref(storage, self._freed(key, device, record)), device, record)
+        self._update_peak(device)
+
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        """Re-count a counted storage that was resized in place."""
+        known = self._storages.get(id(storage))
+        if known is None or known[0]() is not storage:
+            return
+        _, device, record = known
+        nbytes = storage.nbytes()
+        if nbytes != record[1]:
+            self.live[device][record[0]] += nbytes - record[1]
+            record[1] = nbytes
+            self._update_peak(device)
+
+    def _update_peak(self, device: torch.device) -> None:
+        kinds = self.live[device]
         total = sum(kinds.values())
         if total > self.peak.get(device, -1):
             self.peak[device] = total

@@ -97,6 +97,17 @@ def test_attention_blocks_cover_each_query_within_its_document() -> None:
     assert blocks[1].mask._materialize().tolist() == torch.ones(3, 4, dtype=torch.bool).tril(1).tolist()
 
 
+def test_attention_blocks_of_a_million_token_row_allocate_no_dense_mask() -> None:
+    """torch's own causal_lower_right would allocate [2, q, kv] fp32 here: terabytes."""
+    documents = 1_048_576 // 4
+    row = {"input_ids": torch.zeros(1, 1_048_576, dtype=torch.long), "labels": torch.zeros(1, 1_048_576, dtype=torch.long),
+           "position_ids": torch.arange(documents).repeat(4)[None]}  # fmt: skip
+    blocks = attention_blocks(shard_batch(row, 1, 4, "ring").layout)
+    masks = [block.mask for block in blocks if block.mask is not None]
+    assert [(mask.seq_len_q, mask.seq_len_kv) for mask in masks] == [(131_072, 262_144)]
+    assert torch.Tensor.numel(masks[0]) == 0
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

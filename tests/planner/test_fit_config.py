@@ -20,7 +20,8 @@ def test_a_gpu_config_with_a_hub_model_is_read_without_loading_anything():
     assert (settings.precision, settings.max_length, settings.batch_size) == ("32-true", 262144, 1)  # FSDP2 computes in bf16
     assert settings.padding_free and settings.accumulate_grad_batches == 4
     assert settings.tokenizer == "Qwen/Qwen3-4B"
-    assert techniques_of(settings) == Techniques("selective_offload", chunked_loss=True, tiled_mlp=True)
+    assert techniques_of(settings) == Techniques("selective_offload", chunked_loss=True, tiled_mlp=True, cpu_offload=True)
+    assert (settings.strategy.kind, settings.strategy.mixed_precision) == ("fsdp2", "bf16")
 
 
 def test_overrides_compose_as_in_fit():

@@ -1,0 +1,312 @@
+"""PreferenceDataModule: load, tokenize, truncate and batch a preference (DPO) dataset.
+
+Why its own datamodule: a preference example is a pair of sequences sharing a prompt, and DPO compares
+them, so pairs are never packed apart or split; what SFT's memory techniques give it is truncation
+(``max_prompt_length`` / ``max_length``) and padding-free batches (every pair's chosen and rejected sequence
+flattened into one row, documents kept apart: :mod:`~lit_memtrain.datamodules.preference_collate`).
+
+The reference model's log-probabilities, when precomputed, are stored with the dataset as the
+``ref_chosen_logps`` / ``ref_rejected_logps`` columns TRL uses (a dataset that already has them is used as
+is): the module computes them in one pass before training (:meth:`reference_dataloader`) and hands them back
+(:meth:`set_reference_logps`); the data code itself knows no model.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from lit_memtrain.datamodules.embedded import EMBEDDED, embedded_preference_path
+from lit_memtrain.datamodules.preference_collate import REFERENCE_COLUMNS, PreferenceCollator
+from lit_memtrain.datamodules.preference_tokenize import TruncationMode, detect_preference_format, tokenize_preference
+from lit_memtrain.datamodules.resumable import ResumableDataLoader, ResumableSampler
+from lit_memtrain.datamodules.sft import SFTDataModule, _template_error
+from lit_memtrain.datamodules.sources import RawData, RowLocator, load_raw_dataset
+from lit_memtrain.datamodules.tokenize import TokenCounts
+from lit_memtrain.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+__all__ = ["PreferenceDataModule"]
+
+_TOKENIZED_COLUMNS = ["prompt_ids", "chosen_ids", "rejected_ids"]
+
+
+def tokenize_pair(example: dict[str, Any], index: int, locator: RowLocator, **kwargs: Any) -> dict[str, Any]:
+    """:func:`tokenize_preference`, with the file and line of the pair in any error."""
+    try:
+        return tokenize_preference(example, **kwargs)
+    except (ValueError, TypeError, KeyError, *_template_error()) as error:
+        raise ValueError(f"{locator(index)}: {error}") from error
+
+
+class PreferenceDataModule(LightningDataModule):
+    """Tokenized, truncated, padded or padding-free preference pairs for DPO.
+
+    Args:
+        tokenizer: hub id or local path of a tokenizer, or ``"lit-memtrain/embedded"``.
+        dataset: hub dataset name, local file or directory, an in-memory ``datasets.Dataset``, or
+            ``"lit-memtrain/embedded"`` (the quickstart tasks: the exact answer chosen over a wrong one).
+        dataset_config, data_files, split: as for :class:`~lit_memtrain.datamodules.sft.SFTDataModule`.
+        max_length: tokens per sequence (prompt + chosen, prompt + rejected); completions are cut to fit.
+        max_prompt_length: tokens kept of each prompt (``None``: all).
+        truncation_mode: which prompt tokens ``max_prompt_length`` keeps: ``keep_end`` (the last ones, nearest
+            the answer) or ``keep_start``.
+        val_size: fraction (< 1) or number (>= 1) of training pairs held out for validation.
+        val_split: name of an existing split to validate on instead.
+        batch_size: pairs per training batch (``2 * batch_size`` sequences); ``val_batch_size`` defaults to it.
+        padding_free: flatten each batch into one row, position ids restarting per sequence (default); else
+            right-pad one row per sequence.
+        pad_to_multiple_of: round the row (padding-free) or the padded length up to a multiple of this.
+        num_workers: DataLoader workers.
+        num_proc: processes for tokenization with ``datasets.map``.
+        seed: seed of the training shuffle and of the validation hold-out.
+
+    Example:
+        >>> dm = PreferenceDataModule(tokenizer="lit-memtrain/embedded", dataset="lit-memtrain/embedded", max_length=64)
+        >>> trainer.fit(DPOModule(preset="tiny-qwen3", beta=0.1), datamodule=dm)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        tokenizer: str = EMBEDDED,
+        dataset: str | Any = EMBEDDED,
+        dataset_config: str | None = None,
+        data_files: str | list[str] | dict[str, Any] | None = None,
+        split: str = "train",
+        max_length: int = 1024,
+        max_prompt_length: int | None = None,
+        truncation_mode: TruncationMode = "keep_end",
+        val_size: float = 0.0,
+        val_split: str | None = None,
+        batch_size: int = 8,
+        val_batch_size: int | None = None,
+        padding_free: bool = True,
+        pad_to_multiple_of: int | None = None,
+        num_workers: int = 0,
+        num_proc: int | None = None,
+        seed: int = 42,
+    ) -> None:
+        super().__init__()
+        if max_length < 2:
+            raise ValueError(f"max_length must leave room for a prompt token and a completion token, got {max_length}.")
+        if max_prompt_length is not None and not 1 <= max_prompt_length < max_length:
+            raise ValueError(
+                f"max_prompt_length must be at least 1 and below max_length={max_length} (room for the completion), "
+                f"got {max_prompt_length}."
+            )
+        if truncation_mode not in ("keep_start", "keep_end"):
+            raise ValueError(f"truncation_mode must be 'keep_start' or 'keep_end', got {truncation_mode!r}.")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1 pair, got {batch_size}.")
+        if val_size < 0:
+            raise ValueError(f"val_size must be >= 0 (a fraction below 1 or a count), got {val_size}.")
+        if val_size and val_split:
+            raise ValueError("Give either val_size (hold out part of the training split) or val_split, not both.")
+        if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
+            raise ValueError(f"pad_to_multiple_of must be a positive integer or None, got {pad_to_multiple_of}.")
+        self.save_hyperparameters(ignore=["dataset"] if not isinstance(dataset, str) else None)
+        self.tokenizer_name = tokenizer
+        self.dataset = dataset
+        self.dataset_config = dataset_config
+        self.data_files = data_files
+        self.split = split
+        self.max_length = max_length
+        self.max_prompt_length = max_prompt_length
+        self.truncation_mode = truncation_mode
+        self.val_size = val_size
+        self.val_split = val_split
+        self.batch_size = batch_size
+        self.val_batch_size = val_batch_size or batch_size
+        self.padding_free = padding_free
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.num_workers = num_workers
+        self.num_proc = num_proc
+        self.seed = seed
+        self.tokenizer = load_tokenizer(tokenizer)
+        self.datasets: dict[str, Dataset] = {}
+        self.token_counts: dict[str, TokenCounts] = {}
+        self._train_loader: ResumableDataLoader | None = None
+        self._train_loader_state: dict[str, Any] | None = None
+
+    @property
+    def train_dataset(self) -> Dataset | None:
+        return self.datasets.get("train")
+
+    @property
+    def val_dataset(self) -> Dataset | None:
+        return self.datasets.get("validation")
+
+    # ----------------------------------------------------------------------------------------- loading
+
+    def _load(self) -> tuple[RawData, Any, Any]:
+        import datasets
+
+        dataset = embedded_preference_path() if self.dataset == EMBEDDED else self.dataset
+        raw = load_raw_dataset(dataset, self.dataset_config, self.data_files)
+        data, val = raw.data, None
+        if isinstance(data, datasets.DatasetDict):
+            for name in (self.split, self.val_split):
+                if name is not None and name not in data:
+                    raise ValueError(f"Split {name!r} not found; the dataset has splits {list(data)}.")
+            val = data[self.val_split] if self.val_split else None
+            data = data[self.split]
+        elif self.val_split is not None:
+            raise ValueError(f"val_split={self.val_split!r} was given but the dataset has a single split.")
+        return raw, data, val
+
+    def _tokenize(self, data: Dataset, raw: RawData, split: str, name: str) -> Dataset:
+        """Tokenize and truncate a split; count and log the tokens."""
+        columns = list(data.column_names)
+        try:
+            detect_preference_format(columns)
+        except ValueError as error:
+            raise ValueError(f"The {split} split{raw.describe(split)}: {error}") from None
+        first = data[0] if len(data) else {}
+        if isinstance(first.get("chosen"), list) and not self.tokenizer.chat_template:
+            raise ValueError(
+                f"The {split} data is conversational but tokenizer {self.tokenizer_name!r} has no chat template. "
+                "Use a tokenizer with a chat_template (for example an instruct model's) or set one on it."
+            )
+        kept_columns = [c for c in REFERENCE_COLUMNS if c in columns]
+        tokenized = data.map(
+            tokenize_pair,
+            with_indices=True,
+            fn_kwargs={
+                "locator": raw.locator(split),
+                "tokenizer": self.tokenizer,
+                "max_length": self.max_length,
+                "max_prompt_length": self.max_prompt_length,
+                "truncation_mode": self.truncation_mode,
+            },
+            remove_columns=[c for c in columns if c not in kept_columns],
+            num_proc=self.num_proc,
+            desc=f"Tokenizing {name} (preference pairs)",
+        )
+        table = tokenized.with_format("arrow")[:]
+        kept = (2 * _lengths(table, "prompt_ids") + _lengths(table, "chosen_ids") + _lengths(table, "rejected_ids")).sum()
+        total = int(table.column("num_tokens").to_numpy().sum())
+        counts = TokenCounts(examples=len(table), tokens=total, kept_tokens=int(kept), truncated_tokens=total - int(kept))
+        self.token_counts[name] = counts
+        rank_zero_info(f"{name}: {counts.describe(self.max_length)} (pairs; tokens of both sequences).")
+        return tokenized.select_columns(_TOKENIZED_COLUMNS + kept_columns)
+
+    def _prepare(self) -> None:
+        raw, data, val_data = self._load()
+        if len(data) == 0:
+            raise ValueError(f"The training split {self.split!r}{raw.describe(self.split)} is empty.")
+        train = self._tokenize(data, raw, self.split, "train")
+        if val_data is not None:
+            self.datasets["validation"] = self._tokenize(val_data, raw, self.val_split, "validation")
+        elif self.val_size:
+            size = self.val_size if self.val_size < 1 else int(self.val_size)
+            if isinstance(size, int) and size >= len(train):
+                raise ValueError(f"val_size={self.val_size} leaves no training data out of {len(train)} pairs.")
+            parts = train.train_test_split(test_size=size, seed=self.seed)
+            train, self.datasets["validation"] = parts["train"], parts["test"]
+        self.datasets["train"] = train
+
+    # ------------------------------------------------------------------------------------------- hooks
+
+    def prepare_data(self) -> None:
+        if isinstance(self.dataset, str) and not self.datasets:
+            self._prepare()
+
+    def setup(self, stage: str) -> None:
+        if not self.datasets:
+            self._prepare()
+
+    def collator(self) -> PreferenceCollator:
+        return PreferenceCollator(self.tokenizer.pad_token_id, self.pad_to_multiple_of, self.padding_free)
+
+    def data_parallel(self) -> tuple[int, int]:
+        """(replicas, rank) of data parallelism: what Lightning's own sampler would use (1, 0 without a trainer)."""
+        trainer = self.trainer
+        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer is not None else None
+        kwargs = kwargs or {}
+        return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
+
+    def _consumed_batches(self) -> int:
+        return self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+
+    def train_dataloader(self) -> ResumableDataLoader:
+        replicas, rank = self.data_parallel()
+        dataset = self.datasets["train"]
+        loader = ResumableDataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            sampler=ResumableSampler(dataset, num_replicas=replicas, rank=rank, shuffle=True, seed=self.seed),
+            collate_fn=self.collator(),
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            consumed_batches=self._consumed_batches if self.trainer is not None else None,
+        )
+        if self._train_loader_state is not None:
+            loader.load_state_dict(self._train_loader_state)
+            self._train_loader_state = None
+        self._train_loader = loader
+        return loader
+
+    def val_dataloader(self) -> DataLoader | list:
+        if "validation" not in self.datasets:
+            return []
+        return DataLoader(
+            self.datasets["validation"],
+            batch_size=self.val_batch_size,
+            shuffle=False,
+            collate_fn=self.collator(),
+            num_workers=self.num_workers,
+        )
+
+    # ----------------------------------------------------------------------------- reference log-probs
+
+    def has_reference_logps(self, split: str) -> bool:
+        """Whether ``split`` (``"train"`` or ``"validation"``) carries reference log-probabilities."""
+        return all(c in self.datasets[split].column_names for c in REFERENCE_COLUMNS)
+
+    def reference_dataloader(self, split: str, num_replicas: int = 1, rank: int = 0) -> DataLoader:
+        """Batches of ``split`` in order for one pass of the reference model: this rank's pairs ``rank``,
+        ``rank + num_replicas``, ..., the last one repeated so that every rank runs as many batches (ranks of a
+        sharded model must run every forward together)."""
+        size = len(self.datasets[split])
+        per_rank = -(-size // num_replicas)
+        indices = [min(rank + i * num_replicas, size - 1) for i in range(per_rank)]
+        return DataLoader(
+            self.datasets[split].select(indices),
+            batch_size=self.val_batch_size,
+            shuffle=False,
+            collate_fn=self.collator(),
+        )
+
+    def set_reference_logps(self, split: str, chosen: Tensor, rejected: Tensor) -> None:
+        """Store the reference log-probabilities of every pair of ``split`` (in dataset order) as its
+        ``ref_chosen_logps`` / ``ref_rejected_logps`` columns, which the collator puts in every batch."""
+        dataset = self.datasets[split]
+        if chosen.shape != (len(dataset),) or rejected.shape != (len(dataset),):
+            raise ValueError(
+                f"Expected one reference log-probability per pair of the {split} split ({len(dataset)}), got "
+                f"{tuple(chosen.shape)} and {tuple(rejected.shape)}."
+            )
+        dataset = dataset.remove_columns([c for c in REFERENCE_COLUMNS if c in dataset.column_names])
+        for name, values in zip(REFERENCE_COLUMNS, (chosen, rejected)):
+            dataset = dataset.add_column(name, values.double().cpu().numpy().tolist())
+        self.datasets[split] = dataset
+
+    # ------------------------------------------------------------------------------------ resume state
+
+    # The training dataloader's position, saved in checkpoints and restored mid-epoch exactly as for SFT (the
+    # same attributes: ``_train_loader``, ``_train_loader_state``), Lightning's FSDP restore order included.
+    state_dict = SFTDataModule.state_dict
+    load_state_dict = SFTDataModule.load_state_dict
+
+
+def _lengths(table: Any, column: str) -> np.ndarray:
+    from lit_memtrain.datamodules.packing import _list_lengths
+
+    return _list_lengths(table.column(column)).astype(np.int64)

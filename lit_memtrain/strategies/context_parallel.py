@@ -1,0 +1,299 @@
+"""ContextParallelStrategy: FSDP2 plus one sequence split over the ranks of a context-parallel group.
+
+Why a strategy: context parallelism changes four things around an otherwise ordinary FSDP2 step, and all four
+belong to how the ranks are organised, not to the model or the loss:
+
+- *The mesh* is ``(data_parallel, context_parallel)`` with context parallel innermost (a group is neighbouring
+  ranks, on one node). FSDP shards over the flattened mesh, so every rank holds ``1 / world`` of the model and
+  gradients are reduced over every rank. Lightning's sampler splits rows over ``data_parallel`` only: every rank
+  of a group loads the same rows.
+- *Each batch is sharded along the sequence* as it reaches the device (:meth:`batch_to_device`, with
+  :func:`~lit_memtrain.context_parallel.shard_batch`): targets shifted on the whole row first (``shift_labels``,
+  which the module takes as they are), rows padded to what the method needs (logged once, in tokens), global
+  position ids (RoPE and YaRN rotate each token as on one process) and the row's document bounds, handed to
+  the attention installed on the model. Validation batches are sharded the same way.
+- *Attention* is swapped for Ulysses or ring (:func:`~lit_memtrain.context_parallel.install_attention`) at the
+  first batch, after the module's setup probes ran with the model's own attention, and restored when training
+  ends.
+- *The loss* needs nothing new: the module divides each micro-batch's loss by the step's trainable tokens
+  counted on the whole rows and summed over ``data_parallel`` (each row once), and each rank's loss is the sum
+  over its own tokens, so the ranks' gradients add up to one process's on the whole sequence. Token counts for
+  ``train/tokens_per_sec`` come from the shard, so each token is counted once.
+
+torch's ring kernels (``method="ring", ring_backend="torch"``, CUDA) replace SDPA only while their context is
+open; backward calls them again, so the context is opened in ``on_train_batch_start`` and closed once the
+micro-batch's backward has run (and around each validation step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor, nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from typing_extensions import override
+
+from lit_memtrain.attention import SDPA_BY_DOCUMENT
+from lit_memtrain.context_parallel import (
+    INNER_ATTENTIONS,
+    METHODS,
+    RING_BACKENDS,
+    ContextParallelAttention,
+    ShardLayout,
+    check_context_parallel,
+    check_group_size,
+    install_attention,
+    shard_batch,
+    torch_ring_attention,
+)
+from lit_memtrain.strategies.fsdp2 import FSDP2Strategy
+from lit_memtrain.throughput import attention_pairs
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.optim import Optimizer
+
+__all__ = ["ContextParallelStrategy"]
+
+
+class ContextParallelStrategy(FSDP2Strategy):
+    """FSDP2 over every rank, and each row's sequence split over ``context_parallel_size`` ranks.
+
+    Args:
+        context_parallel_size: ranks that share one row (must divide the world size). 1 is plain
+            :class:`~lit_memtrain.strategies.FSDP2Strategy`.
+        method: ``"ulysses"`` (all-to-all from sequence to head shards around any kernel: needs
+            ``num_attention_heads % cp == 0`` and ``num_key_value_heads % cp == 0`` or ``cp % num_key_value_heads
+            == 0``) or ``"ring"`` (each rank's queries against the whole row's keys and values, any head counts).
+        inner: Ulysses' kernel over the whole row: ``"sdpa_by_document"`` (any device), ``"flash_attention_2"``
+            (CUDA, flash-attn varlen) or ``"sdpa"`` (single-document rows only).
+        ring_backend: ``"all_gather"`` (keys and values of the row gathered on each rank, document-aware, any
+            device) or ``"torch"`` (torch's ring over the flash / efficient / cuDNN kernels, CUDA, single-document
+            rows only: packed rows are refused).
+        pad_token_id: input id written into the padding added to reach the length ``method`` needs (never
+            attended to by a real token, never trained on).
+        data_parallel_size: ``"auto"`` is ``world size / context_parallel_size``.
+        **kwargs: the other :class:`~lightning.pytorch.strategies.ModelParallelStrategy` / FSDP2 options
+            (``mixed_precision``, ``reshard_after_forward``, ``cpu_offload``, ``save_distributed_checkpoint``,
+            ``start_method``, ``process_group_backend``, ``timeout``).
+
+    Rows must carry no padding mask: use padding-free batches (``SFTDataModule(packing=True)``, or any collator
+    giving ``input_ids``, ``labels`` and, for packed rows, ``position_ids`` restarting per document).
+
+    Example:
+        >>> from lit_memtrain.strategies import ContextParallelStrategy
+        >>> strategy = ContextParallelStrategy(context_parallel_size=8, method="ulysses", mixed_precision="bf16")
+        >>> trainer = Trainer(accelerator="gpu", devices=8, strategy=strategy)  # doctest: +SKIP
+
+        On the command line: ``--trainer.strategy=lit_memtrain.strategies.ContextParallelStrategy
+        --trainer.strategy.context_parallel_size=8 --trainer.strategy.method=ulysses``.
+    """
+
+    def __init__(
+        self,
+        context_parallel_size: int,
+        method: Literal["ulysses", "ring"] = "ulysses",
+        inner: str = SDPA_BY_DOCUMENT,
+        ring_backend: Literal["all_gather", "torch"] = "all_gather",
+        pad_token_id: int = 0,
+        data_parallel_size: int | Literal["auto"] = "auto",
+        tensor_parallel_size: int = 1,
+        mixed_precision: str | dict[str, Any] | MixedPrecisionPolicy | None = None,
+        reshard_after_forward: bool = True,
+        cpu_offload: bool = False,
+        save_distributed_checkpoint: bool = True,
+        start_method: Literal["popen", "fork"] = "popen",
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        check_group_size(context_parallel_size)
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(map(repr, METHODS))}, got {method!r}.")
+        if inner not in INNER_ATTENTIONS:
+            raise ValueError(f"inner must be one of {sorted(INNER_ATTENTIONS)}, got {inner!r}.")
+        if ring_backend not in RING_BACKENDS:
+            raise ValueError(f"ring_backend must be one of {RING_BACKENDS}, got {ring_backend!r}.")
+        if ring_backend == "torch" and method != "ring":
+            raise ValueError(f"ring_backend='torch' is a ring kernel; it needs method='ring', got {method!r}.")
+        if method == "ulysses" and inner == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+            raise ValueError(
+                f"inner='flash_attention_2' needs the flash-attn package (CUDA), which is not installed: pip install "
+                f"'lit-memtrain[flash]', or use inner={SDPA_BY_DOCUMENT!r}."
+            )
+        super().__init__(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            mixed_precision=mixed_precision,
+            reshard_after_forward=reshard_after_forward,
+            cpu_offload=cpu_offload,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            start_method=start_method,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self.context_parallel_size = context_parallel_size
+        self.method = method
+        self.inner = inner
+        self.ring_backend = ring_backend
+        self.pad_token_id = pad_token_id
+        self._fsdp_mesh: DeviceMesh | None = None
+        self._model_to_split: nn.Module | None = None
+        self._attention: ContextParallelAttention | None = None
+        self._layout: ShardLayout | None = None
+        self._padding_logged = False
+        self._torch_ring = contextlib.ExitStack()
+
+    @override
+    def mesh_shape(self) -> dict[str, int]:
+        """``{"data_parallel": world / cp, "context_parallel": cp}``, context parallel innermost.
+
+        Raises:
+            ValueError: ``context_parallel_size`` does not divide the world size, or ``data_parallel_size`` is not
+                the quotient.
+        """
+        world_size = self.num_nodes * self.num_processes
+        check_group_size(self.context_parallel_size, world_size)
+        data_parallel = world_size // self.context_parallel_size
+        if self._data_parallel_size not in ("auto", data_parallel):
+            raise ValueError(
+                f"ContextParallelStrategy(data_parallel_size={self._data_parallel_size}) with context_parallel_size="
+                f"{self.context_parallel_size} does not fill the world size {world_size}: the data-parallel size must "
+                f"be {data_parallel}. Leave it at 'auto'."
+            )
+        return {"data_parallel": data_parallel, "context_parallel": self.context_parallel_size}
+
+    @property
+    @override
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The flattened ``data_parallel x context_parallel`` mesh: the model is sharded over every rank."""
+        if self._fsdp_mesh is None:
+            self._fsdp_mesh = self.device_mesh._flatten("dp_cp")
+        return self._fsdp_mesh
+
+    @property
+    def context_parallel_mesh(self) -> DeviceMesh:
+        """The 1-D mesh of this rank's context-parallel group."""
+        return self.device_mesh["context_parallel"]
+
+    @override
+    def setup_environment(self) -> None:
+        if self._uses_torch_ring() and self.root_device.type != "cuda":
+            raise ValueError(
+                f"ring_backend='torch' runs torch's ring kernels, on CUDA only; this run is on {self.root_device.type}. "
+                "Use ring_backend='all_gather' (any device) or method='ulysses'."
+            )
+        # Head counts are checked from the module's config before any process group exists or any weight is read.
+        recipe = getattr(self.lightning_module, "recipe", None)
+        if recipe is not None and self.context_parallel_size > 1:
+            from lit_memtrain.model_builder import causal_lm_config
+
+            config = causal_lm_config(recipe, getattr(self.lightning_module, "tokenizer", None))
+            check_context_parallel(config, self.context_parallel_size, self.method)
+        self._fsdp_mesh = None  # flattened from the mesh this fit builds
+        super().setup_environment()
+
+    @override
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        """Check that ``method`` can split this model's heads, then shard it over every rank.
+
+        Context-parallel attention is installed on the model at the first batch (see the module docstring).
+        """
+        if self.context_parallel_size > 1:
+            check_context_parallel(model.config, self.context_parallel_size, self.method, self.world_size)
+            self._model_to_split = model
+        return super().parallelize(model)
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """This rank's shard of ``batch`` (see :func:`~lit_memtrain.context_parallel.shard_batch`), on the device."""
+        if self.context_parallel_size == 1:
+            return super().batch_to_device(batch, device, dataloader_idx)
+        if not isinstance(batch, dict):
+            raise TypeError(
+                f"ContextParallelStrategy shards dict batches (input_ids, labels, ...); got {type(batch).__name__}."
+            )
+        mesh = self.context_parallel_mesh
+        shard = shard_batch(batch, mesh.get_local_rank(), self.context_parallel_size, self.method, self.pad_token_id)
+        self._log_padding(shard.layout)
+        self._installed_attention().set_layout(shard.layout)
+        self._layout = shard.layout
+        # Each rank's share of the rows' attention work, for the FLOP/s it logs (its local rows would undercount).
+        shard.batch["attention_pairs"] = -(-int(attention_pairs(batch)) // self.context_parallel_size)
+        return super().batch_to_device(shard.batch, device, dataloader_idx)
+
+    def _installed_attention(self) -> ContextParallelAttention:
+        if self._attention is None:
+            if self._model_to_split is None:
+                raise RuntimeError(
+                    "ContextParallelStrategy got a batch before a model was sharded with strategy.parallelize(model): "
+                    "build the model in the LightningModule's configure_model and shard it there (CausalLMModule does)."
+                )
+            self._attention = install_attention(
+                self._model_to_split, self.context_parallel_mesh.get_group(), self.method, self.inner, self.ring_backend
+            )
+        return self._attention
+
+    def _log_padding(self, layout: ShardLayout) -> None:
+        if layout.padding and not self._padding_logged:
+            self._padding_logged = True
+            multiple = layout.cp_size * (2 if layout.method == "ring" else 1)
+            rows = layout.length - layout.padding
+            rank_zero_info(
+                f"Context parallelism ({layout.method}, {layout.cp_size} ranks): rows of {rows} tokens padded with "
+                f"{layout.padding} tokens to {layout.length} (a multiple of {multiple}); the padding is its own segment,"
+                f" never attended to by a real token nor trained on. Logged once: any row gets at most {multiple - 1} "
+                f"tokens of padding (none when its length is a multiple of {multiple})."
+            )
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._close_torch_ring()
+        if self._uses_torch_ring():
+            self._torch_ring.enter_context(torch_ring_attention(self.context_parallel_mesh, self._layout))
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        try:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        finally:
+            self._close_torch_ring()  # backward (checkpointed layers included) has run its ring kernels
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with contextlib.ExitStack() as stack:
+            if self._uses_torch_ring():
+                stack.enter_context(torch_ring_attention(self.context_parallel_mesh, self._layout))
+            return super().validation_step(*args, **kwargs)
+
+    def _uses_torch_ring(self) -> bool:
+        return self.context_parallel_size > 1 and self.method == "ring" and self.ring_backend == "torch"
+
+    def _close_torch_ring(self) -> None:
+        self._torch_ring.close()
+        self._torch_ring = contextlib.ExitStack()
+
+    def _uninstall_attention(self) -> None:
+        self._close_torch_ring()
+        if self._attention is not None:
+            self._attention.uninstall()
+            self._attention = None
+            self._layout = None
+
+    @override
+    def on_train_end(self) -> None:
+        self._uninstall_attention()  # the model's own attention again, for what runs after fit (export, generate)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._close_torch_ring()
+
+    @override
+    def teardown(self) -> None:
+        self._uninstall_attention()
+        super().teardown()
