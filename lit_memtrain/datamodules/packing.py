@@ -4,9 +4,9 @@ Why: padding a batch to its longest example wastes compute and memory on pad tok
 several examples into one row (and keeping each document's length in ``seq_lengths`` so position
 ids restart per document) wastes almost none. TRL packs each ``datasets.map`` batch of 1000 rows
 separately with a pure-Python segment tree: slow, and the packing is only as full as a 1000-row
-batch allows. Here the plan is made once over the whole dataset by a compiled Best-Fit Decreasing
-(``best_fit``), and each column is copied into the planned rows by a compiled loop that reads the
-source in order (``segment_copy``), never with a Python loop per token or per example.
+batch allows. Here the plan is made once over the whole dataset by Best-Fit Decreasing one size
+class at a time (``best_fit``, numpy), and each column is copied into the planned rows by a compiled
+loop that reads the source in order (``segment_copy``), never with a Python loop per token or per example.
 
 Strategies (the contract of ``trl.pack_dataset``):
 
@@ -18,8 +18,9 @@ Strategies (the contract of ``trl.pack_dataset``):
 - ``"wrapped"``: concatenate every example and cut blocks of ``max_length`` tokens; the last
   block keeps the remainder. Fast and full, but cuts examples anywhere.
 
-Both compiled parts use numba, imported only when a plan or a copy is made: importing the package
-stays quick, and the module, loss and callbacks run where numba is not installed.
+Nothing needs numba: the first call in a process is about as fast as the next (numba's start-up took
+longer than the whole pack). The copy loop is compiled by llvmlite, imported only when a column is
+copied, in milliseconds: the module, loss and callbacks run where llvmlite is not installed.
 
 Usage::
 
@@ -109,7 +110,7 @@ def plan_packing(lengths: np.ndarray, max_length: int, strategy: str = "bfd") ->
         stop = np.minimum(lengths[kept], max_length)
     else:
         example, start, stop = _split_into_chunks(kept, lengths[kept], max_length)
-    from lit_memtrain.datamodules.best_fit import best_fit_decreasing  # numba, imported when used
+    from lit_memtrain.datamodules.best_fit import best_fit_decreasing
 
     order, row_offsets = best_fit_decreasing(stop - start, max_length)
     source_order = np.empty_like(order)
@@ -284,7 +285,7 @@ def _gather_rows(column: pa.ChunkedArray, plan: PackingPlan) -> pa.ChunkedArray:
     value_type = column.type.value_type
     fixed_width = pa.types.is_primitive(value_type) and value_type.bit_width in (8, 16, 32, 64)
     if fixed_width and not any(chunk.values.null_count for chunk in chunks):
-        from lit_memtrain.datamodules.segment_copy import copy_segments  # numba, imported when used
+        from lit_memtrain.datamodules.segment_copy import copy_segments  # llvmlite, imported when used
 
         width = value_type.bit_width // 8
         sources = [

@@ -3,15 +3,18 @@
 Why: packing a million examples copies about a million slices of ~500 tokens each, scattered over
 gigabytes. Gathering them in output order reads the source at random, and each read of a new page
 stalls the core on a TLB miss (worse under a VM's nested page tables), so a gather runs at a fraction
-of memory bandwidth. Visiting the slices in source order reads the source sequentially and scatters the
-writes instead, which the CPU buffers without stalling: about twice as fast. The loop is compiled with
-numba (a Python loop per slice would cost more than the copy) and releases the GIL, so one thread per
-core copies its own share of the slices. A dataset column is usually stored as many Arrow chunks, each
-with its own buffer: the sources are read where they are (memory-mapped or not), never concatenated.
+of memory bandwidth (Arrow's list-view flatten, which gathers, took about twice as long). Visiting the
+slices in source order reads the source sequentially and scatters the writes instead, which the CPU
+buffers without stalling. A dataset column is usually stored as many Arrow chunks, each with its own
+buffer: the sources are read where they are (memory-mapped or not), never concatenated.
 
-Each slice is one ``memcpy`` (LLVM's intrinsic) between byte addresses: the loop then has one signature
-for every dtype, compiles in a fraction of a second (numba's slice assignment took seconds, per dtype)
-and copies at memcpy speed. Bounds are checked in Python before the loop runs.
+The loop is one ``memcpy`` per slice between byte addresses, so it serves every fixed-width dtype. It
+is a dozen lines of LLVM IR, compiled by llvmlite in a few milliseconds the first time it is needed in
+a process and called through ctypes, which releases the GIL: one thread per core copies its own share
+of the slices. (A Python loop per slice would cost more than the copy; numba compiled the same loop,
+but its start-up, ~0.8 s in each new process, was longer than the whole pack; numpy's fancy indexing
+over strided windows, one size of slice at a time, was 2-3x slower than ``memcpy``.) Bounds are checked
+in Python before the loop runs.
 
 Usage::
 
@@ -20,45 +23,66 @@ Usage::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import ctypes
+import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from itertools import pairwise
 
-import numba
 import numpy as np
-from llvmlite import ir
-from numba import types
-from numba.core import cgutils
-from numba.extending import intrinsic
+
+# scatter(source, destination, width, source_starts, lengths, destination_starts, count): for each i < count,
+# memcpy(destination + destination_starts[i] * width, source + source_starts[i] * width, lengths[i] * width).
+_SCATTER_IR = """
+declare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)
+
+define void @scatter(i64 %source, i64 %destination, i64 %width, ptr %source_starts, ptr %lengths,
+                     ptr %destination_starts, i64 %count) {
+entry:
+  %none = icmp sle i64 %count, 0
+  br i1 %none, label %done, label %loop
+loop:
+  %i = phi i64 [ 0, %entry ], [ %next, %loop ]
+  %source_start_at = getelementptr i64, ptr %source_starts, i64 %i
+  %source_start = load i64, ptr %source_start_at
+  %length_at = getelementptr i64, ptr %lengths, i64 %i
+  %length = load i64, ptr %length_at
+  %destination_start_at = getelementptr i64, ptr %destination_starts, i64 %i
+  %destination_start = load i64, ptr %destination_start_at
+  %from_offset = mul i64 %source_start, %width
+  %to_offset = mul i64 %destination_start, %width
+  %bytes = mul i64 %length, %width
+  %from_address = add i64 %source, %from_offset
+  %to_address = add i64 %destination, %to_offset
+  %from = inttoptr i64 %from_address to ptr
+  %to = inttoptr i64 %to_address to ptr
+  call void @llvm.memcpy.p0.p0.i64(ptr %to, ptr %from, i64 %bytes, i1 false)
+  %next = add i64 %i, 1
+  %more = icmp slt i64 %next, %count
+  br i1 %more, label %loop, label %done
+done:
+  ret void
+}
+"""
+_compile_lock = threading.Lock()
+_compiled: list = []  # [execution engine (owns the machine code), ctypes function], once compiled
 
 
-@intrinsic
-def _copy_bytes(typingctx, destination, source, count):  # noqa: ARG001 - numba's intrinsic signature
-    """``memcpy(destination, source, count)`` on byte addresses (integers)."""
+def _scatter() -> Callable[..., None]:
+    """The compiled loop (compiled on first use; the engine that owns its code lives as long as the process)."""
+    with _compile_lock:
+        if not _compiled:
+            import llvmlite.binding as llvm
 
-    def codegen(context, builder, signature, args):
-        to, start, length = args
-        byte = ir.IntType(8).as_pointer()
-        cgutils.raw_memcpy(builder, builder.inttoptr(to, byte), builder.inttoptr(start, byte), length, 1)
-        return context.get_dummy_value()
-
-    return types.void(types.intp, types.intp, types.intp), codegen
-
-
-@numba.njit(nogil=True, cache=True)
-def _scatter(
-    source: int,
-    destination: int,
-    width: int,
-    source_starts: np.ndarray,
-    lengths: np.ndarray,
-    destination_starts: np.ndarray,
-) -> None:
-    """Copy ``lengths[i]`` items of ``width`` bytes from the ``source`` address to the ``destination`` one."""
-    for index in range(len(source_starts)):
-        _copy_bytes(
-            destination + destination_starts[index] * width, source + source_starts[index] * width, lengths[index] * width
-        )
+            llvm.initialize_native_target()
+            llvm.initialize_native_asmprinter()
+            module = llvm.parse_assembly(_SCATTER_IR)
+            module.verify()
+            engine = llvm.create_mcjit_compiler(module, llvm.Target.from_default_triple().create_target_machine(opt=2))
+            engine.finalize_object()
+            signature = ctypes.CFUNCTYPE(None, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * 3, ctypes.c_int64)
+            _compiled.extend([engine, signature(engine.get_function_address("scatter"))])
+        return _compiled[1]
 
 
 def copy_segments(
@@ -91,6 +115,7 @@ def copy_segments(
     if out is not None and (out.nbytes != size * dtype.itemsize or not out.flags.writeable or not out.flags.c_contiguous):
         raise ValueError(f"out must be a writable, contiguous array of {size} items of {dtype.itemsize} bytes.")
     destination = np.empty(size, dtype=dtype) if out is None else out.view(dtype)
+    scatter = _scatter()
     cumulative = np.cumsum(lengths)
     targets = np.linspace(0, cumulative[-1] if len(lengths) else 0, max(workers, 1) + 1)[1:-1]
     cuts = [0, *np.searchsorted(cumulative, targets).tolist(), len(lengths)]
@@ -102,13 +127,14 @@ def copy_segments(
         for start, stop in pairwise([first, *changes.tolist(), last]):
             piece = slice(start, stop)
             source = sources[segment_sources[start]]
-            _scatter(
+            scatter(
                 source.ctypes.data,
                 destination.ctypes.data,
                 dtype.itemsize,
-                source_starts[piece],
-                lengths[piece],
-                destination_starts[piece],
+                source_starts[piece].ctypes.data,
+                lengths[piece].ctypes.data,
+                destination_starts[piece].ctypes.data,
+                stop - start,
             )
 
     if len(blocks) <= 1:

@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 GPU = ROOT / "benchmarks" / "gpu"
 # What the GPU machine lacks (matplotlib, a declared dependency that GPU tests use, is left in the dry run).
-ABSENT = ("datasets", "wandb", "jsonargparse", "flash_attn", "bitsandbytes", "numba", "pyarrow", "trl")
+ABSENT = ("datasets", "wandb", "jsonargparse", "flash_attn", "bitsandbytes", "llvmlite", "pyarrow", "trl")
 
 _WITHOUT_PACKAGES = """
 import sys

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import defaultdict, deque
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -290,6 +292,48 @@ def test_values_that_start_inside_their_buffer() -> None:
     assert column.values.offset == 5
     packed = pack_dataset(Dataset(pa.table({"input_ids": column})), 6, "bfd")
     assert packed["input_ids"] == [[111, 112, 113, 114, 115], [105, 106, 107, 108, 109, 110]]
+
+
+def per_item_best_fit_decreasing(sizes: list[int], capacity: int) -> tuple[list[int], list[int]]:
+    """Best-Fit Decreasing one item at a time, ties first in, first out: (order, row_offsets)."""
+    rows: list[list[int]] = []
+    free: list[int] = []
+    queues: dict[int, deque[int]] = defaultdict(deque)  # free space -> open rows, in arrival order
+    for item in sorted(range(len(sizes)), key=lambda item: -sizes[item]):
+        fits = [space for space, queue in queues.items() if space >= sizes[item] and queue]
+        if fits:
+            row = queues[min(fits)].popleft()
+        else:
+            row = len(rows)
+            rows.append([])
+            free.append(capacity)
+        rows[row].append(item)
+        free[row] -= sizes[item]
+        if free[row]:
+            queues[free[row]].append(row)
+    return [item for row in rows for item in row], np.cumsum([0] + [len(row) for row in rows]).tolist()
+
+
+@pytest.mark.parametrize("capacity", [1, 2, 5, 12, 64, 100, 1000, 70_000])
+def test_best_fit_decreasing_places_item_by_item(capacity: int) -> None:
+    """The plan moves rows a size class at a time; it must be exactly the per-item plan, ties included."""
+    from lit_memtrain.datamodules.best_fit import best_fit_decreasing
+
+    rng = np.random.default_rng(capacity)
+    awkward = np.unique(np.clip([capacity, capacity // 2, capacity // 2 + 1, capacity // 3, capacity // 4,
+                                 capacity - 1, 1, 2, 3], 1, capacity))
+    for trial in range(60):
+        count = int(rng.integers(0, 250))
+        sizes = [
+            rng.integers(1, capacity + 1, count),  # every size once or so
+            rng.choice(awkward, count),  # sizes that divide the capacity or just miss: rows take several
+            rng.integers(1, max(2, capacity // 10 + 1), count),  # many small items per row
+            np.clip(np.rint(rng.lognormal(np.log(max(1, capacity / 8)), 1.0, count)), 1, capacity),
+        ][trial % 4].astype(np.int64)
+        order, row_offsets = best_fit_decreasing(sizes, capacity)
+        expected_order, expected_offsets = per_item_best_fit_decreasing(sizes.tolist(), capacity)
+        assert order.tolist() == expected_order, sizes.tolist()
+        assert row_offsets.tolist() == expected_offsets, sizes.tolist()
 
 
 def test_best_fit_decreasing_refuses_sizes_it_cannot_place() -> None:

@@ -239,14 +239,14 @@ def test_a_csv_row_and_a_missing_column_are_named(tmp_path):
         _setup(dataset=str(path))
 
 
-def test_the_datamodule_imports_without_pyarrow_datasets_or_numba():
+def test_the_datamodule_imports_without_pyarrow_datasets_or_llvmlite():
     """GPU machines may lack them: they are imported when data is read, streamed or packed."""
     import subprocess
     import sys
 
     code = (
         "import sys, lit_memtrain.datamodules.sft, lit_memtrain.datamodules.resumable;"
-        "print(sorted(m for m in ('datasets', 'pyarrow', 'numba') if m in sys.modules))"
+        "print(sorted(m for m in ('datasets', 'pyarrow', 'llvmlite') if m in sys.modules))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
