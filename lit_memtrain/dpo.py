@@ -192,9 +192,12 @@ accumulation, the mean of the micro-batches' means, as in TRL).
         was_training = self.model.training
         self.model.eval()
         parts = []
-        for batch in datamodule.reference_dataloader(split, replicas, rank):
-            logps, _ = self.sequence_logps(move_data_to_device(batch, self.device))
-            parts.append(logps.float().view(2, -1))
+        # In the training step's precision (bf16-mixed: autocast), so that at step 0 the policy's log-probs equal
+        # the reference's: computed in fp32 instead, every reward starts off by the bf16 rounding of a whole sequence.
+        with self.trainer.precision_plugin.forward_context():
+            for batch in datamodule.reference_dataloader(split, replicas, rank):
+                logps, _ = self.sequence_logps(move_data_to_device(batch, self.device))
+                parts.append(logps.float().view(2, -1))
         self.model.train(was_training)
         local = torch.cat(parts, dim=1)  # [2, pairs of this rank]: pair j of rank r is pair r + j * replicas
         if replicas > 1:
