@@ -52,6 +52,7 @@ from lit_memtrain.context_parallel import (
     shard_batch,
     torch_ring_attention,
 )
+from lit_memtrain.moe import router_aux_coefficient
 from lit_memtrain.strategies.fsdp2 import FSDP2Strategy
 from lit_memtrain.throughput import attention_pairs
 
@@ -206,8 +207,21 @@ class ContextParallelStrategy(FSDP2Strategy):
         """
         if self.context_parallel_size > 1:
             check_context_parallel(model.config, self.context_parallel_size, self.method, self.world_size)
+            self._check_no_router_loss(model)
             self._model_to_split = model
         return super().parallelize(model)
+
+    def _check_no_router_loss(self, model: nn.Module) -> None:
+        """The router load-balancing loss is not a sum over tokens: computed on each rank's shard it is not one
+        process's loss on the whole row, so it is refused rather than trained on silently."""
+        hparams = getattr(self.lightning_module, "hparams", None) or {}
+        coefficient = router_aux_coefficient(model, hparams.get("router_aux_loss_coef"))
+        if coefficient:
+            raise ValueError(
+                f"{type(model).__name__} adds a router load-balancing loss (router_aux_loss_coef={coefficient}), which "
+                "ContextParallelStrategy cannot compute over the whole row (each rank sees only its shard's router "
+                "logits). Set router_aux_loss_coef=0 on the module to train without it, or use FSDP2Strategy."
+            )
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
