@@ -48,6 +48,7 @@ from lit_memtrain.context_parallel import (
     ShardLayout,
     check_context_parallel,
     check_group_size,
+    check_same_rows,
     install_attention,
     shard_batch,
     torch_ring_attention,
@@ -148,6 +149,7 @@ class ContextParallelStrategy(FSDP2Strategy):
         self._attention: ContextParallelAttention | None = None
         self._layout: ShardLayout | None = None
         self._padding_logged = False
+        self._rows_checked = False
         self._torch_ring = contextlib.ExitStack()
 
     @override
@@ -233,6 +235,9 @@ class ContextParallelStrategy(FSDP2Strategy):
                 f"ContextParallelStrategy shards dict batches (input_ids, labels, ...); got {type(batch).__name__}."
             )
         mesh = self.context_parallel_mesh
+        if not self._rows_checked:  # the first batch of each fit and validation run: a data set-up error shows there
+            check_same_rows(batch, mesh.get_group(), self.root_device)
+            self._rows_checked = True
         shard = shard_batch(batch, mesh.get_local_rank(), self.context_parallel_size, self.method, self.pad_token_id)
         self._log_padding(shard.layout)
         self._installed_attention().set_layout(shard.layout)
@@ -264,6 +269,16 @@ class ContextParallelStrategy(FSDP2Strategy):
                 f" never attended to by a real token nor trained on. Logged once: any row gets at most {multiple - 1} "
                 f"tokens of padding (none when its length is a multiple of {multiple})."
             )
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._rows_checked = False
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._rows_checked = False
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
