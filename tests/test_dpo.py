@@ -205,3 +205,15 @@ def test_under_bf16_mixed_the_precomputed_reference_equals_the_first_step_policy
     trainer.fit(module, datamodule=datamodule)
     metrics = trainer.callback_metrics
     assert float(metrics["train/rewards/chosen"]) == 0 and float(metrics["train/rewards/rejected"]) == 0
+
+
+def test_context_parallelism_is_refused_with_a_clear_error_before_any_work():
+    from lit_memtrain.strategies import ContextParallelStrategy
+
+    module = DPOModule(preset="tiny-qwen3", config_overrides=OVERRIDES)
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=ContextParallelStrategy(2, start_method="fork"), logger=False)
+    trainer.strategy.connect(module)
+    module.trainer = trainer
+    with pytest.raises(ValueError, match=r"DPOModule does not support context parallelism .*Use FSDP2Strategy"):
+        module.setup("fit")
+    assert module.model is None
