@@ -192,9 +192,12 @@ accumulation, the mean of the micro-batches' means, as in TRL).
         was_training = self.model.training
         self.model.eval()
         parts = []
-        for batch in datamodule.reference_dataloader(split, replicas, rank):
-            logps, _ = self.sequence_logps(move_data_to_device(batch, self.device))
-            parts.append(logps.float().view(2, -1))
+        # In the training step's precision (bf16-mixed: autocast), so that at step 0 the policy's log-probs equal
+        # the reference's: computed in fp32 instead, every reward starts off by the bf16 rounding of a whole sequence.
+        with self.trainer.precision_plugin.forward_context():
+            for batch in datamodule.reference_dataloader(split, replicas, rank):
+                logps, _ = self.sequence_logps(move_data_to_device(batch, self.device))
+                parts.append(logps.float().view(2, -1))
         self.model.train(was_training)
         local = torch.cat(parts, dim=1)  # [2, pairs of this rank]: pair j of rank r is pair r + j * replicas
         if replicas > 1:
@@ -209,6 +212,13 @@ accumulation, the mean of the micro-batches' means, as in TRL).
         are built): only reference values computed before its training, kept in its checkpoint, are the
         reference's, so those are applied and none computed; without them each batch raises a clear error.
         (Unlike CausalLMModule, nothing is arranged for fit: the loss is a mean over pairs, not over tokens.)"""
+        context_parallel = getattr(self.trainer.strategy, "context_parallel_size", 1)
+        if context_parallel > 1:  # shard_batch would refuse sequence_ids with advice that does not apply to DPO
+            raise ValueError(
+                f"DPOModule does not support context parallelism (ContextParallelStrategy with context_parallel_size="
+                f"{context_parallel}): a pair's sequence log-probabilities are sums over whole sequences, which sequence "
+                "shards do not hold. Use FSDP2Strategy (with cpu_offload, checkpointing and tiled MLP for long pairs)."
+            )
         if stage == "validate" and self.reference_mode == "precomputed":
             self.precompute_reference_logps(compute=False)
 

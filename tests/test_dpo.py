@@ -192,3 +192,28 @@ def test_validating_a_trained_model_takes_the_reference_from_its_checkpoint_only
     metrics = validate(module)
     assert metrics["val/rewards/accuracies"] in (0.0, 0.5, 1.0) and "val/rewards/margins" in metrics
     assert metrics["val/rewards/chosen"] == pytest.approx(0.1 * (metrics["val/logps/chosen"] + 30.5), rel=1e-5)
+
+
+def test_under_bf16_mixed_the_precomputed_reference_equals_the_first_step_policy(saved_model):
+    """The reference pass runs in the training step's precision: computed in fp32 while the policy runs under
+    bf16 autocast, the step-0 rewards (policy = reference) were off by bf16 rounding instead of 0. One pair per
+    batch: the reference pass and the step then run the very same row."""
+    module = _module(saved_model, learning_rate=0.0)
+    datamodule = PreferenceDataModule(dataset=_conversational(), batch_size=1, max_length=512)
+    trainer = Trainer(accelerator="cpu", precision="bf16-mixed", max_steps=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, datamodule=datamodule)
+    metrics = trainer.callback_metrics
+    assert float(metrics["train/rewards/chosen"]) == 0 and float(metrics["train/rewards/rejected"]) == 0
+
+
+def test_context_parallelism_is_refused_with_a_clear_error_before_any_work():
+    from lit_memtrain.strategies import ContextParallelStrategy
+
+    module = DPOModule(preset="tiny-qwen3", config_overrides=OVERRIDES)
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=ContextParallelStrategy(2, start_method="fork"), logger=False)
+    trainer.strategy.connect(module)
+    module.trainer = trainer
+    with pytest.raises(ValueError, match=r"DPOModule does not support context parallelism .*Use FSDP2Strategy"):
+        module.setup("fit")
+    assert module.model is None

@@ -29,7 +29,13 @@ from lit_memtrain.context_parallel.install import (
     install_attention,
 )
 from lit_memtrain.context_parallel.loss import global_target_count, shard_loss
-from lit_memtrain.context_parallel.sharding import SequenceShard, ShardLayout, padded_length, shard_batch
+from lit_memtrain.context_parallel.sharding import (
+    SequenceShard,
+    ShardLayout,
+    check_same_rows,
+    padded_length,
+    shard_batch,
+)
 from lit_memtrain.context_parallel.torch_ring import torch_ring_attention
 from lit_memtrain.context_parallel.ulysses import INNER_ATTENTIONS
 from lit_memtrain.context_parallel.validation import METHODS, check_context_parallel, check_group_size, ulysses_sizes
@@ -43,6 +49,7 @@ __all__ = [
     "SequenceShard",
     "ShardLayout",
     "check_context_parallel",
+    "check_same_rows",
     "check_group_size",
     "global_target_count",
     "install_attention",

@@ -28,13 +28,14 @@ from itertools import pairwise
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
 from lit_memtrain.context_parallel.validation import METHODS
 from lit_memtrain.loss import IGNORE_INDEX
 
-__all__ = ["SequenceShard", "ShardLayout", "padded_length", "rank_chunks", "shard_batch"]
+__all__ = ["SequenceShard", "ShardLayout", "check_same_rows", "padded_length", "rank_chunks", "shard_batch"]
 
 _UNSHARDED_KEYS = frozenset(
     {"input_ids", "labels", "position_ids", "attention_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
@@ -264,3 +265,27 @@ def shard_batch(
         num_tokens=rows * sum(max(0, min(stop, real_length) - start) for start, stop in layout.chunks),
     )
     return SequenceShard(batch=shard, layout=layout)
+
+
+def check_same_rows(batch: dict[str, Any], group: dist.ProcessGroup, device: torch.device | str = "cpu") -> None:
+    """Raise ``ValueError`` on every rank unless every rank of ``group`` holds the same ``batch`` (before sharding).
+
+    Why: each rank keeps its own part of the row it was given, so ranks given different rows (a dataset split by
+    global rank instead of by data-parallel rank, an unseeded shuffle) would train on a row stitched from
+    several, silently when their lengths agree. One all-reduce of a few integers (shape and a checksum of the
+    input ids and labels) over the group; a strategy calls it on the first batches, not on every one.
+    """
+    ids, labels = batch["input_ids"], batch["labels"]
+    weights = torch.arange(1, ids.shape[-1] + 1, device=ids.device)
+    found = torch.tensor(
+        [*ids.shape, int((ids.long() * weights).sum()), int((labels.long() * weights).sum())], dtype=torch.int64
+    ).to(device)
+    extremes = torch.cat([found, -found])
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    if not torch.equal(extremes[: found.numel()], -extremes[found.numel() :]):
+        raise ValueError(
+            f"The ranks of a context-parallel group got different batches (rank {dist.get_rank(group)} of the group has "
+            f"{list(ids.shape)} input_ids): every rank of a group must load the same rows, which it then splits. Split "
+            "data over the data-parallel ranks only (Lightning's sampler does, with the strategy's "
+            "distributed_sampler_kwargs), never over the global rank, and shuffle with the same seed on every rank."
+        )

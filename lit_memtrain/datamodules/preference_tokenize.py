@@ -93,8 +93,8 @@ def tokenize_preference(
             prompt that leaves no room for a completion token within ``max_length``.
     """
     chosen, rejected = _field(example, "chosen"), _field(example, "rejected")
-    if "prompt" in example and example["prompt"] is not None:
-        prompt = example["prompt"]
+    if "prompt" in example:  # a row of an explicit-prompt dataset: never extract a prompt from its completions
+        prompt = _field(example, "prompt")
     else:
         prompt, chosen, rejected = extract_prompt(chosen, rejected)
     sides = [tokenize_prompt_completion({"prompt": prompt, "completion": c}, tokenizer) for c in (chosen, rejected)]

@@ -48,10 +48,12 @@ from lit_memtrain.context_parallel import (
     ShardLayout,
     check_context_parallel,
     check_group_size,
+    check_same_rows,
     install_attention,
     shard_batch,
     torch_ring_attention,
 )
+from lit_memtrain.moe import router_aux_coefficient
 from lit_memtrain.strategies.fsdp2 import FSDP2Strategy
 from lit_memtrain.throughput import attention_pairs
 
@@ -147,6 +149,7 @@ class ContextParallelStrategy(FSDP2Strategy):
         self._attention: ContextParallelAttention | None = None
         self._layout: ShardLayout | None = None
         self._padding_logged = False
+        self._rows_checked = False
         self._torch_ring = contextlib.ExitStack()
 
     @override
@@ -206,8 +209,21 @@ class ContextParallelStrategy(FSDP2Strategy):
         """
         if self.context_parallel_size > 1:
             check_context_parallel(model.config, self.context_parallel_size, self.method, self.world_size)
+            self._check_no_router_loss(model)
             self._model_to_split = model
         return super().parallelize(model)
+
+    def _check_no_router_loss(self, model: nn.Module) -> None:
+        """The router load-balancing loss is not a sum over tokens: computed on each rank's shard it is not one
+        process's loss on the whole row, so it is refused rather than trained on silently."""
+        hparams = getattr(self.lightning_module, "hparams", None) or {}
+        coefficient = router_aux_coefficient(model, hparams.get("router_aux_loss_coef"))
+        if coefficient:
+            raise ValueError(
+                f"{type(model).__name__} adds a router load-balancing loss (router_aux_loss_coef={coefficient}), which "
+                "ContextParallelStrategy cannot compute over the whole row (each rank sees only its shard's router "
+                "logits). Set router_aux_loss_coef=0 on the module to train without it, or use FSDP2Strategy."
+            )
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
@@ -219,6 +235,9 @@ class ContextParallelStrategy(FSDP2Strategy):
                 f"ContextParallelStrategy shards dict batches (input_ids, labels, ...); got {type(batch).__name__}."
             )
         mesh = self.context_parallel_mesh
+        if not self._rows_checked:  # the first batch of each fit and validation run: a data set-up error shows there
+            check_same_rows(batch, mesh.get_group(), self.root_device)
+            self._rows_checked = True
         shard = shard_batch(batch, mesh.get_local_rank(), self.context_parallel_size, self.method, self.pad_token_id)
         self._log_padding(shard.layout)
         self._installed_attention().set_layout(shard.layout)
@@ -250,6 +269,16 @@ class ContextParallelStrategy(FSDP2Strategy):
                 f" never attended to by a real token nor trained on. Logged once: any row gets at most {multiple - 1} "
                 f"tokens of padding (none when its length is a multiple of {multiple})."
             )
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._rows_checked = False
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._rows_checked = False
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

@@ -114,3 +114,10 @@ def test_datamodule_names_the_missing_column_and_the_row_that_does_not_fit(tmp_p
         PreferenceDataModule(dataset=str(path), max_length=16).setup("fit")
     with pytest.raises(ValueError, match="max_prompt_length must be at least 1 and below max_length=16"):
         PreferenceDataModule(max_length=16, max_prompt_length=16)
+
+
+def test_a_row_of_an_explicit_prompt_dataset_without_its_prompt_is_an_error_not_an_extracted_prompt(tokenizer):
+    """With a prompt column, a row whose prompt is missing (None) used to fall back to implicit extraction: the
+    shared prefix of its completions ("The answer is 4") became the prompt, trained silently on "2" against "1"."""
+    with pytest.raises(ValueError, match="the row has no 'prompt' value"):
+        tokenize_preference({"prompt": None, "chosen": "The answer is 42", "rejected": "The answer is 41"}, tokenizer)

@@ -93,3 +93,24 @@ def test_the_command_line_sets_the_strategy_and_its_options(tokenizer):
     assert (strategy.context_parallel_size, strategy.method, strategy.ring_backend) == (2, "ring", "all_gather")
     assert strategy.cpu_offload and strategy.mp_policy is not None
     assert strategy.mesh_shape() == {"data_parallel": 1, "context_parallel": 2}
+
+
+def test_a_router_load_balancing_loss_is_refused_and_a_zero_coefficient_accepted():
+    """Each rank would compute the (non-additive) load-balancing loss on its shard only: not one process's loss."""
+    from transformers import AutoModelForCausalLM
+
+    from lit_memtrain.presets import build_config
+
+    moe = {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+           "router_aux_loss_coef": 0.5, "head_dim": 16}
+    for coefficient, raises in ((None, True), (0.0, False)):
+        module = CausalLMModule(preset="tiny-qwen3", config_overrides=moe, router_aux_loss_coef=coefficient)
+        strategy = ContextParallelStrategy(2, start_method="fork")
+        trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+        trainer.strategy.connect(module)
+        model = AutoModelForCausalLM.from_config(build_config("tiny-qwen3", moe))
+        if raises:
+            with pytest.raises(ValueError, match=r"router load-balancing loss \(router_aux_loss_coef=0.5\).*router_aux_loss_coef=0"):
+                strategy.parallelize(model)
+        else:
+            strategy._check_no_router_loss(model)  # parallelize itself would need the process group
