@@ -12,12 +12,14 @@ whole sequence remains but ``rstd`` (4 bytes a token per norm).
 
 Numerics: the forward is the module's own sequence of operations on each chunk (cast to fp32, ``pow(2)``,
 ``mean``, ``+ eps``, ``rsqrt``, multiply, cast back, multiply by the weight), so its output is the module's,
-bit for bit on the same kernels. The backward is the same chain rule autograd applies to those operations, in
-fp32; the weight's gradient is summed over chunks in fp32 (autograd sums it in the gradient's dtype), within
-the gradient dtype's rounding of autograd's. :func:`apply_chunked_rms_norm` replaces only norms it can prove
-compute this: a ``variance_epsilon`` float and a 1-D ``weight``, and a probe comparing the module's own output
-with the chunked one on a few tokens, in fp32 and in the weight's dtype, for equality. Others (Gemma's
-``1 + weight``, a weight applied in fp32) are left as they are and named.
+bit for bit where the kernels reduce a row the same way whatever the number of rows (the CPU's; a GPU kernel
+may pick another reduction order for another shape: fp32 rounding of the mean). The backward is the chain rule
+autograd applies to those operations, in fp32; the weight's gradient is summed over chunks in fp32 (autograd
+sums it in the gradient's dtype), within the gradient dtype's rounding of autograd's.
+:func:`apply_chunked_rms_norm` replaces only norms it can prove compute this: a ``variance_epsilon`` float,
+a 1-D ``weight``, and a probe comparing the module's own output with the chunked one on a few tokens, in fp32
+and in the weight's dtype, for equality. Others (Gemma's ``1 + weight``, a weight applied in fp32) are left as
+they are and named.
 """
 
 from __future__ import annotations
