@@ -8,8 +8,8 @@ fragmentation (``lit-memtrain plan`` keeps a 10% margin for them).
 
 "Every technique" is the project's 1M-token recipe: fp32 master weights and AdamW state kept in host memory
 (``FSDP2Strategy``/``ContextParallelStrategy`` with ``cpu_offload`` and ``mixed_precision: bf16``), the chunked
-loss, checkpointing with offloaded layer inputs, tiled MLPs, and the sequence split over every GPU (context
-parallel size = GPUs), with Ulysses and with ring (all-gathered keys and values). The "TRL's setting" rows are
+loss, checkpointing with offloaded layer inputs, tiled MLPs, chunked RMSNorms (``ChunkedRMSNorm``), and the
+sequence split over every GPU (context parallel size = GPUs), with Ulysses and with ring (all-gathered keys and values). The "TRL's setting" rows are
 what TRL's long-context guide runs (bf16 weights and AdamW state sharded on the GPUs, no host offload of the
 state, offloaded checkpoints, chunked loss, no tiled MLP, ring attention over every GPU), for the comparison
 with its published 63.6 GB (4 GPUs) and 56.2 GB (8 GPUs), with each method, and once with tiled MLPs added.
@@ -30,6 +30,7 @@ TOKENS = 1_048_576
 GPU_GIB = 80.0
 CHECKPOINTING = "lit_memtrain.callbacks.GradientCheckpointing"
 TILED_MLP = "lit_memtrain.callbacks.TiledMLP"
+CHUNKED_RMS_NORM = "lit_memtrain.callbacks.ChunkedRMSNorm"
 
 
 SETTINGS = {"every": "every technique", "trl": "TRL's setting", "trl_tiled": "TRL's setting + tiled MLP"}
@@ -42,6 +43,8 @@ def _settings(model: str, gpus: int, method: str, setting: str):
     callbacks = [CallbackSpec(CHECKPOINTING, {"offload": True})]
     if setting != "trl":
         callbacks.append(CallbackSpec(TILED_MLP))
+    if setting == "every":
+        callbacks.append(CallbackSpec(CHUNKED_RMS_NORM))
     strategy = StrategySpec(
         "ContextParallelStrategy",
         gpus,

@@ -2,6 +2,7 @@
 
 from lit_memtrain.callbacks.activation_offloading import ActivationOffloading
 from lit_memtrain.callbacks.allocator_settings import AllocatorSettings
+from lit_memtrain.callbacks.chunked_rms_norm import ChunkedRMSNorm
 from lit_memtrain.callbacks.gradient_checkpointing import GradientCheckpointing
 from lit_memtrain.callbacks.memory_bounded_throughput import MemoryBoundedThroughput
 from lit_memtrain.callbacks.memory_monitor import MemoryMonitor
@@ -12,6 +13,7 @@ from lit_memtrain.callbacks.tiled_mlp import TiledMLP
 __all__ = [
     "ActivationOffloading",
     "AllocatorSettings",
+    "ChunkedRMSNorm",
     "GradientCheckpointing",
     "MemoryBoundedThroughput",
     "MemoryMonitor",

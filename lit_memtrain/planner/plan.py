@@ -146,8 +146,14 @@ class Planner:
         for name, techniques, note in comparison_rows(self.settings):
             row = ComparisonRow(name, techniques, note)
             if techniques is not None:
-                row.step = self.simulate(techniques)
-                row.search = self.longest_length(techniques)
+                try:
+                    row.step = self.simulate(techniques)
+                except ValueError as error:  # a technique the model cannot take (ChunkedRMSNorm on Gemma's norms)
+                    if not techniques.chunked_rms_norm or techniques_of(self.settings).chunked_rms_norm:
+                        raise
+                    row.techniques, row.note = None, str(error)
+                else:
+                    row.search = self.longest_length(techniques)
             rows.append(row)
         return rows
 

@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lit_memtrain.callbacks.activation_offloading import ActivationOffloading
+from lit_memtrain.callbacks.chunked_rms_norm import ChunkedRMSNorm
 from lit_memtrain.callbacks.gradient_checkpointing import GradientCheckpointing
 from lit_memtrain.callbacks.tiled_mlp import TiledMLP
 
 __all__ = ["SIMULATED_CALLBACKS", "CallbackSpec", "PlanSettings", "StrategySpec", "normalise_precision"]
 
-SIMULATED_CALLBACKS = (GradientCheckpointing, TiledMLP, ActivationOffloading)
+SIMULATED_CALLBACKS = (GradientCheckpointing, TiledMLP, ActivationOffloading, ChunkedRMSNorm)
 
 _PRECISIONS = {
     "32": "32-true", "32-true": "32-true", "64": "64-true", "64-true": "64-true",

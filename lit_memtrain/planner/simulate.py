@@ -31,7 +31,8 @@ How, and what it assumes:
   from the third on each tile still holds the previous tile's gradients while computing its own). So only the
   first three tiles and the last (possibly shorter) are simulated: the peak is exactly that of all tiles, at a
   small fraction of the operations (a 36-layer model at 1M tokens runs ~9,000 tiles otherwise, most of a
-  simulation's time).
+  simulation's time). The chunks of the chunked RMSNorm (:mod:`lit_memtrain.rms_norm`) likewise: each frees
+  its temporaries before the next, the output and the weight's fp32 gradient exist before the first.
 - Params, gradients and AdamW state are all in ``dtype`` (bf16 by default, as Lightning's
   ``precision="bf16-true"``); the optimizer state exists before the step, as in every step after the
   first. AdamW runs with ``foreach=True`` (PyTorch's default on CUDA).
@@ -57,6 +58,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.modeling_utils import AttentionInterface
 
+import lit_memtrain.rms_norm
 import lit_memtrain.tiled_mlp
 from lit_memtrain.checkpointing import apply_checkpointing
 from lit_memtrain.layers import find_decoder_layers
@@ -68,6 +70,7 @@ from lit_memtrain.tiled_mlp import apply_tiled_mlp
 
 __all__ = [
     "MemoryReport",
+    "norm_probes_on_real_tensors",
     "fake_causal_lm",
     "fixed_bytes",
     "measure_peak",
@@ -334,19 +337,43 @@ def step_phases(model: torch.nn.Module, tracker: MemoryTracker) -> Iterator[None
 
 @contextlib.contextmanager
 def tiles_simulated_once() -> Iterator[None]:
-    """Run only the first three tiles and the last of each tiled MLP (see the module docstring for why the
-    peak is exact). For fake tensors only: on real ones the other tiles' outputs would be left empty."""
-    tile_bounds = lit_memtrain.tiled_mlp._tile_bounds
+    """Run only the first three tiles and the last of each tiled MLP and chunked RMSNorm (see the module
+    docstring for why the peak is exact). For fake tensors only: on real ones the other tiles' outputs would be
+    left empty."""
+    tile_bounds, chunk_bounds = lit_memtrain.tiled_mlp._tile_bounds, lit_memtrain.rms_norm._chunk_bounds
 
-    def first_three_and_last(length: int, num_tiles: int) -> list[tuple[int, int]]:
-        bounds = tile_bounds(length, num_tiles)
-        return bounds if len(bounds) <= 4 else [*bounds[:3], bounds[-1]]
+    def first_three_and_last(bounds_of: Callable[[int, int], list[tuple[int, int]]]):
+        def bounds(length: int, count: int) -> list[tuple[int, int]]:
+            found = bounds_of(length, count)
+            return found if len(found) <= 4 else [*found[:3], found[-1]]
 
-    lit_memtrain.tiled_mlp._tile_bounds = first_three_and_last
+        return bounds
+
+    lit_memtrain.tiled_mlp._tile_bounds = first_three_and_last(tile_bounds)
+    lit_memtrain.rms_norm._chunk_bounds = first_three_and_last(chunk_bounds)
     try:
         yield
     finally:
         lit_memtrain.tiled_mlp._tile_bounds = tile_bounds
+        lit_memtrain.rms_norm._chunk_bounds = chunk_bounds
+
+
+@contextlib.contextmanager
+def norm_probes_on_real_tensors() -> Iterator[None]:
+    """Run the chunked RMSNorm's probe on real CPU tensors while fake ones are being simulated: the probe
+    swaps in a weight of its own and compares values, which fake tensors have none of; its verdict decides
+    which norms are replaced, so the plan gets the same ones as the run."""
+    probe = lit_memtrain.rms_norm._probe
+
+    def on_real_tensors(norm: torch.nn.Module) -> str | None:
+        with unset_fake_temporarily():
+            return probe(norm)
+
+    lit_memtrain.rms_norm._probe = on_real_tensors
+    try:
+        yield
+    finally:
+        lit_memtrain.rms_norm._probe = probe
 
 
 def _step_loss(model: PreTrainedModel, input_ids: Tensor, position_ids: Tensor, targets: Tensor, loss: str) -> Tensor:

@@ -52,6 +52,7 @@ from lit_memtrain.planner.simulate import (
     MemoryReport,
     fake_causal_lm,
     measure_peak,
+    norm_probes_on_real_tensors,
     stand_in_device,
     tiles_simulated_once,
 )
@@ -135,8 +136,9 @@ def simulate_fit_step(settings: PlanSettings, max_length: int | None = None) -> 
         # applies costs no memory worth simulating, so the plain head stands in for what the probe would find.
         module._logit_transform = LogitTransform()
         try:
-            for callback in callbacks:
-                callback.on_fit_start(trainer, module)
+            with norm_probes_on_real_tensors():
+                for callback in callbacks:
+                    callback.on_fit_start(trainer, module)
             optimizer = _steady_state_optimizer(module)
             rank = set_up_rank(module.model, mesh, strategy, _batch(settings, max_length))
             module._isolation_proven_for = module.model.config._attn_implementation  # a probe of values

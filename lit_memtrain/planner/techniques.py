@@ -3,8 +3,8 @@
 Why a small description of its own: ``--compare`` replays the same model, precision and batch with the
 techniques added one at a time, and a plan that does not fit says which technique to add. Both edit the
 same things of :class:`~lit_memtrain.planner.settings.PlanSettings`: the loss, the checkpointing
-callback's mode, the tiled-MLP callback, the activation-offloading callback, and for the sharded strategies
-(FSDP2, context parallel) ``cpu_offload`` and the context-parallel size. Options the user gave those
+callback's mode, the tiled-MLP, activation-offloading and chunked-RMSNorm callbacks, and for the sharded
+strategies (FSDP2, context parallel) ``cpu_offload`` and the context-parallel size. Options the user gave those
 callbacks (``layers_path``, ``num_tiles``, offloading thresholds) are kept when a technique stays on.
 """
 
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from lit_memtrain.callbacks.activation_offloading import ActivationOffloading
+from lit_memtrain.callbacks.chunked_rms_norm import ChunkedRMSNorm
 from lit_memtrain.callbacks.gradient_checkpointing import GradientCheckpointing
 from lit_memtrain.callbacks.tiled_mlp import TiledMLP
 from lit_memtrain.planner.settings import CallbackSpec, PlanSettings
@@ -34,6 +35,7 @@ class Techniques:
     activation_offloading: bool = False
     cpu_offload: bool = False
     context_parallel_size: int = 1
+    chunked_rms_norm: bool = False
 
     def describe(self) -> str:
         parts = []
@@ -50,6 +52,7 @@ class Techniques:
             ("activation offloading", self.activation_offloading),
             ("CPU-offloaded state", self.cpu_offload),
             (f"context parallel over {self.context_parallel_size} ranks", self.context_parallel_size > 1),
+            ("chunked RMSNorm", self.chunked_rms_norm),
         ) if on]  # fmt: skip
         return ", ".join(parts) or "none"
 
@@ -70,6 +73,7 @@ def techniques_of(settings: PlanSettings) -> Techniques:
         activation_offloading=settings.callback(ActivationOffloading) is not None,
         cpu_offload=settings.strategy.cpu_offload,
         context_parallel_size=settings.strategy.context_parallel_size,
+        chunked_rms_norm=settings.callback(ChunkedRMSNorm) is not None,
     )
 
 
@@ -81,7 +85,7 @@ def _spec(settings: PlanSettings, kind: type, **init_args: object) -> CallbackSp
 
 def with_techniques(settings: PlanSettings, techniques: Techniques) -> PlanSettings:
     """``settings`` with exactly ``techniques`` on (everything else unchanged)."""
-    callbacks = list(settings.without_callbacks(GradientCheckpointing, TiledMLP, ActivationOffloading))
+    callbacks = list(settings.without_callbacks(GradientCheckpointing, TiledMLP, ActivationOffloading, ChunkedRMSNorm))
     if techniques.checkpointing is not None:
         selective = techniques.checkpointing.startswith("selective")
         offload = techniques.checkpointing.endswith("offload")
@@ -90,6 +94,8 @@ def with_techniques(settings: PlanSettings, techniques: Techniques) -> PlanSetti
         callbacks.append(_spec(settings, TiledMLP))
     if techniques.activation_offloading:
         callbacks.append(_spec(settings, ActivationOffloading))
+    if techniques.chunked_rms_norm:
+        callbacks.append(_spec(settings, ChunkedRMSNorm))
     module = {**settings.module, "loss_type": "chunked" if techniques.chunked_loss else "nll"}
     strategy = dataclasses.replace(
         settings.strategy, cpu_offload=techniques.cpu_offload, context_parallel_size=techniques.context_parallel_size
@@ -110,12 +116,12 @@ def comparison_rows(settings: PlanSettings) -> list[tuple[str, Techniques | None
 
     The strategy's own rows: CPU-offloaded state for a sharded strategy (FSDP2 or context parallel), context
     parallelism when the configuration splits sequences (``context_parallel_size > 1``). The rows before them
-    run the same strategy without them.
+    run the same strategy without them. The last row adds chunked RMSNorms to the last row simulated.
     """
     strategy = settings.strategy
     offloaded_state = dataclasses.replace(_OFFLOADED, cpu_offload=True)
     cp = strategy.context_parallel_size
-    return [
+    rows = [
         ("plain", Techniques(), ""),
         ("+ checkpointing", Techniques(checkpointing="full"), ""),
         ("+ chunked loss", Techniques(checkpointing="full", chunked_loss=True), ""),
@@ -131,6 +137,8 @@ def comparison_rows(settings: PlanSettings) -> list[tuple[str, Techniques | None
         ("+ context parallel", None,
          "needs lit_memtrain.strategies.ContextParallelStrategy or --context-parallel-size"),
     ]  # fmt: skip
+    last = next(techniques for _, techniques, _ in reversed(rows) if techniques is not None)
+    return [*rows, ("+ chunked RMSNorm", dataclasses.replace(last, chunked_rms_norm=True), "")]
 
 
 # What a plan that does not fit tries, in this order, each on top of the previous ones: (name, how to add it).

@@ -29,12 +29,13 @@ stand_in_device()
 from lit_memtrain.planner.plan import Budget, Planner, breakdown
 from lit_memtrain.planner.settings import CallbackSpec, PlanSettings, StrategySpec
 
-def settings(layers=2, cp=1, method="ulysses", offload=False, cpu_offload=False):
+def settings(layers=2, cp=1, method="ulysses", offload=False, cpu_offload=False, norm=False):
     strategy = StrategySpec("ContextParallelStrategy", 2, "context_parallel" if cp > 1 else "fsdp2",
                             cpu_offload=cpu_offload, context_parallel_size=cp, context_parallel_method=method)
     return PlanSettings(
         module={"preset": "tiny-qwen3", "config_overrides": {"vocab_size": 512, "num_hidden_layers": layers}},
-        callbacks=(CallbackSpec("lit_memtrain.callbacks.GradientCheckpointing", {"offload": offload}),),
+        callbacks=(CallbackSpec("lit_memtrain.callbacks.GradientCheckpointing", {"offload": offload}),)
+        + ((CallbackSpec("lit_memtrain.callbacks.ChunkedRMSNorm", {"chunk_elements": 64 * 512}),) if norm else ()),
         max_length=8192, strategy=strategy,
     )
 
@@ -47,7 +48,7 @@ def report(planner_settings):
 print(json.dumps({name: report(value) for name, value in {
     "dp2": settings(), "dp2_3": settings(3), "cp2": settings(cp=2), "cp2_3": settings(3, cp=2),
     "cp2_offloaded": settings(3, cp=2, offload=True), "ring2": settings(cp=2, method="ring"),
-    "cp2_cpu_offload": settings(cp=2, cpu_offload=True),
+    "cp2_cpu_offload": settings(cp=2, cpu_offload=True), "cp2_norm": settings(cp=2, norm=True),
 }.items()}))
 """
 
@@ -222,3 +223,11 @@ def test_a_live_context_parallel_strategy_is_planned_per_rank():
     spec = strategy_spec(_live_strategy(live), 4, 1)
     assert (spec.kind, spec.world_size, spec.context_parallel_size) == ("context_parallel", 4, 2)
     assert (spec.context_parallel_method, spec.ring_backend, spec.cpu_offload) == ("ring", "all_gather", True)
+
+
+def test_chunked_rms_norms_lower_the_peak_of_the_recomputed_layer(simulated):
+    """The norms' backward no longer makes fp32 tensors of the whole shard (L / 2 x H each): at least three fewer
+    at the peak, in the temporaries only."""
+    plain, chunked = simulated["cp2"], simulated["cp2_norm"]
+    assert plain["peak"] - chunked["peak"] >= 3 * (L // 2) * H * FP32
+    assert plain["peak"] - chunked["peak"] == plain["breakdown"]["temporaries"] - chunked["breakdown"]["temporaries"]

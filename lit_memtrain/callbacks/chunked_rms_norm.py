@@ -1,0 +1,67 @@
+"""Lightning callback running the model's RMSNorms in fp32 chunks of tokens (:mod:`lit_memtrain.rms_norm`).
+
+Why a callback: like tiled MLPs, it is a property of the run and must work on a user's own LightningModule
+holding a Hugging Face causal LM. The norms are found and probed when the fit starts (after
+``configure_model`` and the strategy's sharding) and restored when it ends. Composes with
+:class:`GradientCheckpointing`, :class:`TiledMLP`, the chunked loss and context parallelism in any order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lit_memtrain.rms_norm import DEFAULT_CHUNK_ELEMENTS, apply_chunked_rms_norm, validate_chunk_elements
+
+__all__ = ["ChunkedRMSNorm"]
+
+
+class ChunkedRMSNorm(Callback):
+    """Memory-efficient RMSNorms during ``fit``: fp32 over chunks of tokens, saving the input and ``rstd`` only.
+
+    Every module whose class is named ``*RMSNorm`` and whose output a probe at fit start shows equal to the
+    chunked computation is replaced; classes the probe rejects keep their own forward (named in a warning), and
+    a model with no replaceable norm is an error.
+
+    Args:
+        chunk_elements: elements per fp32 chunk (tokens per chunk = ``chunk_elements // hidden size``).
+
+    Example:
+        >>> from lit_memtrain.callbacks import ChunkedRMSNorm, GradientCheckpointing, TiledMLP
+        >>> trainer = Trainer(callbacks=[GradientCheckpointing(), TiledMLP(), ChunkedRMSNorm()])  # doctest: +SKIP
+    """
+
+    def __init__(self, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> None:
+        validate_chunk_elements(chunk_elements)
+        self.chunk_elements = chunk_elements
+        self._restore: Callable[[], None] | None = None
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        found = {type(module).__name__ for module in pl_module.modules() if type(module).__name__.endswith("RMSNorm")}
+        if not found:
+            raise ValueError(
+                "ChunkedRMSNorm found no RMSNorm module (a class named '*RMSNorm') in the model; leave it out."
+            )
+        self._restore, skipped = apply_chunked_rms_norm(pl_module.modules(), self.chunk_elements)
+        reasons = "; ".join(f"{name}: {reason}" for name, reason in skipped.items())
+        if len(skipped) == len(found):
+            self._undo()
+            raise ValueError(
+                f"ChunkedRMSNorm cannot prove any of the model's norms equal to its chunked computation ({reasons}). "
+                "Leave ChunkedRMSNorm out for this model."
+            )
+        if skipped:
+            rank_zero_warn(f"ChunkedRMSNorm leaves these norms as they are ({reasons}).")
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._undo()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._undo()
+
+    def _undo(self) -> None:
+        if self._restore is not None:
+            self._restore()
+            self._restore = None
