@@ -126,9 +126,14 @@ class Planner:
             updated = _add(candidate, name)
             if updated == candidate:
                 continue
+            try:
+                step = self.simulate(updated)
+            except ValueError:  # a technique this model cannot take (ChunkedRMSNorm on Gemma's norms)
+                if name != "chunked_rms_norm":
+                    raise
+                continue
             candidate = updated
             added.append(how)
-            step = self.simulate(candidate)
             if self.budget.fits(step.memory.device_peak):
                 return {"fits": True, "add": added, "peak_device_bytes": step.memory.device_peak}
         step = self.simulate(candidate)
@@ -169,6 +174,8 @@ def _add(techniques: Techniques, name: str) -> Techniques:
         return replace(techniques, tiled_mlp=True)
     if name == "cpu_offload":
         return replace(techniques, cpu_offload=True)
+    if name == "chunked_rms_norm":
+        return replace(techniques, chunked_rms_norm=True)
     if name == "full_checkpointing":
         modes = {"selective": "full", "selective_offload": "offload"}
         return replace(techniques, checkpointing=modes.get(techniques.checkpointing, techniques.checkpointing))

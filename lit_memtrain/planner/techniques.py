@@ -147,6 +147,7 @@ SUGGESTIONS: list[tuple[str, str]] = [
     ("chunked_loss", "the chunked loss (model.loss_type: chunked)"),
     ("tiled_mlp", "tiled MLPs (callback lit_memtrain.callbacks.TiledMLP)"),
     ("offload", "offloaded checkpoints (GradientCheckpointing with init_args offload: true)"),
+    ("chunked_rms_norm", "chunked RMSNorm (callback lit_memtrain.callbacks.ChunkedRMSNorm)"),
     ("full_checkpointing",
      "full instead of selective checkpointing (GradientCheckpointing with init_args selective: false)"),
     ("cpu_offload", "CPU-offloaded state (FSDP2Strategy with init_args cpu_offload: true)"),

@@ -18,3 +18,24 @@ def test_chunked_rms_norm_is_a_technique_of_its_own():
     assert name == "+ chunked RMSNorm" and last.chunked_rms_norm and last.tiled_mlp
     (spec,) = [spec for spec in with_techniques(settings, last).callbacks if spec.resolve() is ChunkedRMSNorm]
     assert spec.init_args == {"chunk_elements": 4096}  # the user's options are kept
+
+
+def test_a_plan_that_does_not_fit_suggests_the_chunked_norm_among_the_techniques():
+    import json
+    import subprocess
+    import sys
+
+    script = """
+import json
+from lit_memtrain.planner.simulate import stand_in_device
+stand_in_device()
+from lit_memtrain.planner.plan import Budget, Planner
+from lit_memtrain.planner.settings import PlanSettings
+settings = PlanSettings(module={"preset": "tiny-qwen3", "config_overrides": {"vocab_size": 512, "num_hidden_layers": 1}},
+                        max_length=1024)
+print(json.dumps(Planner(settings, Budget(2**10, margin=0.0), progress=lambda line: None).suggestion()))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    suggestion = json.loads(result.stdout)
+    assert not suggestion["fits"]
+    assert "chunked RMSNorm (callback lit_memtrain.callbacks.ChunkedRMSNorm)" in suggestion["add"]

@@ -33,7 +33,13 @@ from lightning.pytorch import Callback, Trainer
 from test_fsdp2 import Record, SeededModule, _assert_bf16_close_to_fp32_reference
 from torch.utils.data import DataLoader
 
-from lit_memtrain.callbacks import ActivationOffloading, GradientCheckpointing, PositionalLoss, TiledMLP
+from lit_memtrain.callbacks import (
+    ActivationOffloading,
+    ChunkedRMSNorm,
+    GradientCheckpointing,
+    PositionalLoss,
+    TiledMLP,
+)
 from lit_memtrain.datamodules.padding_free import PaddingFreeCollator
 from lit_memtrain.lora import LoraSettings
 from lit_memtrain.strategies import ContextParallelStrategy
@@ -73,11 +79,11 @@ CASES: dict[str, Case] = {
     "ring_packed_padded_kv1_positional_loss": Case(
         (9, 14, 6), {"method": "ring"}, KV1, lambda: [PositionalLoss(bucket_width=4)], padding=3, validate=True
     ),
-    "ulysses_checkpointing_tiled_mlp_cpu_offload_yarn_accumulation": Case(
+    "ulysses_checkpointing_tiled_mlp_chunked_norm_cpu_offload_yarn_accumulation": Case(
         (10, 12, 9),
         {"cpu_offload": True},
         {"model_init_kwargs": {"rope_parameters": YARN}, "config_overrides": {"max_position_embeddings": 64}},
-        lambda: [GradientCheckpointing(selective=True, offload=True), TiledMLP(num_tiles=2)],
+        lambda: [GradientCheckpointing(selective=True, offload=True), TiledMLP(num_tiles=2), ChunkedRMSNorm(64)],
         accumulate=2,
         padding=1,
     ),
