@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.utils.data import DataLoader
@@ -24,9 +23,11 @@ from torch.utils.data import DataLoader
 from lit_memtrain.datamodules.embedded import EMBEDDED, embedded_preference_path
 from lit_memtrain.datamodules.preference_collate import REFERENCE_COLUMNS, PreferenceCollator
 from lit_memtrain.datamodules.preference_tokenize import TruncationMode, detect_preference_format, tokenize_preference
-from lit_memtrain.datamodules.resumable import ResumableDataLoader, ResumableSampler
-from lit_memtrain.datamodules.sft import SFTDataModule, _template_error
-from lit_memtrain.datamodules.sources import RawData, RowLocator, load_raw_dataset
+from lit_memtrain.datamodules.resumable import ResumableDataLoader
+from lit_memtrain.datamodules.resumable_datamodule import ResumableDataModule
+from lit_memtrain.datamodules.sft import _template_error
+from lit_memtrain.datamodules.sources import RawData, RowLocator
+from lit_memtrain.datamodules.splits import check_validation_args, hold_out, load_splits
 from lit_memtrain.datamodules.tokenize import TokenCounts
 from lit_memtrain.tokenizer import load_tokenizer
 
@@ -46,7 +47,7 @@ def tokenize_pair(example: dict[str, Any], index: int, locator: RowLocator, **kw
         raise ValueError(f"{locator(index)}: {error}") from error
 
 
-class PreferenceDataModule(LightningDataModule):
+class PreferenceDataModule(ResumableDataModule):
     """Tokenized, truncated, padded or padding-free preference pairs for DPO.
 
     Args:
@@ -105,10 +106,7 @@ class PreferenceDataModule(LightningDataModule):
             raise ValueError(f"truncation_mode must be 'keep_start' or 'keep_end', got {truncation_mode!r}.")
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1 pair, got {batch_size}.")
-        if val_size < 0:
-            raise ValueError(f"val_size must be >= 0 (a fraction below 1 or a count), got {val_size}.")
-        if val_size and val_split:
-            raise ValueError("Give either val_size (hold out part of the training split) or val_split, not both.")
+        check_validation_args(val_size, val_split)
         if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
             raise ValueError(f"pad_to_multiple_of must be a positive integer or None, got {pad_to_multiple_of}.")
         self.save_hyperparameters(ignore=["dataset"] if not isinstance(dataset, str) else None)
@@ -132,8 +130,6 @@ class PreferenceDataModule(LightningDataModule):
         self.tokenizer = load_tokenizer(tokenizer)
         self.datasets: dict[str, Dataset] = {}
         self.token_counts: dict[str, TokenCounts] = {}
-        self._train_loader: ResumableDataLoader | None = None
-        self._train_loader_state: dict[str, Any] | None = None
 
     @property
     def train_dataset(self) -> Dataset | None:
@@ -146,20 +142,10 @@ class PreferenceDataModule(LightningDataModule):
     # ----------------------------------------------------------------------------------------- loading
 
     def _load(self) -> tuple[RawData, Any, Any]:
-        import datasets
-
         dataset = embedded_preference_path() if self.dataset == EMBEDDED else self.dataset
-        raw = load_raw_dataset(dataset, self.dataset_config, self.data_files)
-        data, val = raw.data, None
-        if isinstance(data, datasets.DatasetDict):
-            for name in (self.split, self.val_split):
-                if name is not None and name not in data:
-                    raise ValueError(f"Split {name!r} not found; the dataset has splits {list(data)}.")
-            val = data[self.val_split] if self.val_split else None
-            data = data[self.split]
-        elif self.val_split is not None:
-            raise ValueError(f"val_split={self.val_split!r} was given but the dataset has a single split.")
-        return raw, data, val
+        return load_splits(
+            dataset, self.dataset_config, self.data_files, self.split, self.val_split, val_split_label="Split"
+        )
 
     def _tokenize(self, data: Dataset, raw: RawData, split: str, name: str) -> Dataset:
         """Tokenize and truncate a split; count and log the tokens."""
@@ -205,11 +191,7 @@ class PreferenceDataModule(LightningDataModule):
         if val_data is not None:
             self.datasets["validation"] = self._tokenize(val_data, raw, self.val_split, "validation")
         elif self.val_size:
-            size = self.val_size if self.val_size < 1 else int(self.val_size)
-            if isinstance(size, int) and size >= len(train):
-                raise ValueError(f"val_size={self.val_size} leaves no training data out of {len(train)} pairs.")
-            parts = train.train_test_split(test_size=size, seed=self.seed)
-            train, self.datasets["validation"] = parts["train"], parts["test"]
+            train, self.datasets["validation"] = hold_out(train, self.val_size, self.seed, "pairs")
         self.datasets["train"] = train
 
     # ------------------------------------------------------------------------------------------- hooks
@@ -225,33 +207,10 @@ class PreferenceDataModule(LightningDataModule):
     def collator(self) -> PreferenceCollator:
         return PreferenceCollator(self.tokenizer.pad_token_id, self.pad_to_multiple_of, self.padding_free)
 
-    def data_parallel(self) -> tuple[int, int]:
-        """(replicas, rank) of data parallelism: what Lightning's own sampler would use (1, 0 without a trainer)."""
-        trainer = self.trainer
-        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer is not None else None
-        kwargs = kwargs or {}
-        return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
-
-    def _consumed_batches(self) -> int:
-        return self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
-
     def train_dataloader(self) -> ResumableDataLoader:
-        replicas, rank = self.data_parallel()
-        dataset = self.datasets["train"]
-        loader = ResumableDataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            sampler=ResumableSampler(dataset, num_replicas=replicas, rank=rank, shuffle=True, seed=self.seed),
-            collate_fn=self.collator(),
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-            consumed_batches=self._consumed_batches if self.trainer is not None else None,
+        return self.resumable_train_loader(
+            self.datasets["train"], self.batch_size, self.collator(), self.seed, self.num_workers
         )
-        if self._train_loader_state is not None:
-            loader.load_state_dict(self._train_loader_state)
-            self._train_loader_state = None
-        self._train_loader = loader
-        return loader
 
     def val_dataloader(self) -> DataLoader | list:
         if "validation" not in self.datasets:
@@ -297,13 +256,6 @@ class PreferenceDataModule(LightningDataModule):
         for name, values in zip(REFERENCE_COLUMNS, (chosen, rejected)):
             dataset = dataset.add_column(name, values.double().cpu().numpy().tolist())
         self.datasets[split] = dataset
-
-    # ------------------------------------------------------------------------------------ resume state
-
-    # The training dataloader's position, saved in checkpoints and restored mid-epoch exactly as for SFT (the
-    # same attributes: ``_train_loader``, ``_train_loader_state``), Lightning's FSDP restore order included.
-    state_dict = SFTDataModule.state_dict
-    load_state_dict = SFTDataModule.load_state_dict
 
 
 def _lengths(table: Any, column: str) -> np.ndarray:

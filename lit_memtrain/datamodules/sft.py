@@ -21,15 +21,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lit_memtrain.datamodules.collate import PaddedCollator
 from lit_memtrain.datamodules.embedded import EMBEDDED
 from lit_memtrain.datamodules.padding_free import PaddingFreeCollator
-from lit_memtrain.datamodules.resumable import ResumableDataLoader, ResumableSampler
+from lit_memtrain.datamodules.resumable import ResumableDataLoader
+from lit_memtrain.datamodules.resumable_datamodule import ResumableDataModule
 from lit_memtrain.datamodules.sources import RawData, RowLocator, load_raw_dataset, raise_for_invalid_json
+from lit_memtrain.datamodules.splits import check_validation_args, hold_out, load_splits
 from lit_memtrain.datamodules.tokenize import DatasetFormat, TokenCounts, detect_format, tokenize_example
 from lit_memtrain.tokenizer import load_tokenizer
 
@@ -102,7 +103,7 @@ class WindowTokenizer:
         return TokenizedWindow(table, counts)
 
 
-class SFTDataModule(LightningDataModule):
+class SFTDataModule(ResumableDataModule):
     """Tokenized, masked, truncated or packed SFT data for a causal LM.
 
     Args:
@@ -172,10 +173,7 @@ class SFTDataModule(LightningDataModule):
             raise ValueError(f"max_length must be at least 1 token, got {max_length}.")
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}.")
-        if val_size < 0:
-            raise ValueError(f"val_size must be >= 0 (a fraction below 1 or a count), got {val_size}.")
-        if val_size and val_split:
-            raise ValueError("Give either val_size (hold out part of the training split) or val_split, not both.")
+        check_validation_args(val_size, val_split)
         if packing and padding_free is False:
             raise ValueError(
                 "packing=True needs padding-free batches (position ids restarting per document keep packed "
@@ -224,8 +222,6 @@ class SFTDataModule(LightningDataModule):
         self.train_dataset: Dataset | PackedStream | None = None
         self.val_dataset: Dataset | PackedStream | None = None
         self.token_counts: dict[str, TokenCounts] = {}
-        self._train_loader: ResumableDataLoader | None = None
-        self._train_loader_state: dict[str, Any] | None = None
 
     @property
     def num_dropped(self) -> int:
@@ -247,21 +243,9 @@ class SFTDataModule(LightningDataModule):
 
     def _load(self) -> tuple[RawData, Any, Any]:
         """The raw training split and validation split (or None), in memory or streamed."""
-        import datasets
-
-        raw = load_raw_dataset(self.dataset, self.dataset_config, self.data_files, streaming=self.streaming)
-        data, val = raw.data, None
-        if isinstance(data, (datasets.DatasetDict, datasets.IterableDatasetDict)):
-            if self.split not in data:
-                raise ValueError(f"Split {self.split!r} not found; the dataset has splits {list(data)}.")
-            if self.val_split is not None:
-                if self.val_split not in data:
-                    raise ValueError(f"val_split {self.val_split!r} not found; the dataset has splits {list(data)}.")
-                val = data[self.val_split]
-            data = data[self.split]
-        elif self.val_split is not None:
-            raise ValueError(f"val_split={self.val_split!r} was given but the dataset has a single split.")
-        return raw, data, val
+        return load_splits(
+            self.dataset, self.dataset_config, self.data_files, self.split, self.val_split, streaming=self.streaming
+        )
 
     def _format_of(self, columns: list[str], raw: RawData, split: str, first: dict[str, Any] | None) -> str:
         try:
@@ -335,11 +319,7 @@ class SFTDataModule(LightningDataModule):
         if val_data is not None:
             val = self._tokenize(val_data, raw, self.val_split, "validation", self._truncate_at)
         elif self.val_size:
-            size = self.val_size if self.val_size < 1 else int(self.val_size)
-            if isinstance(size, int) and size >= len(train):
-                raise ValueError(f"val_size={self.val_size} leaves no training data out of {len(train)} examples.")
-            parts = train.train_test_split(test_size=size, seed=self.seed)
-            train, val = parts["train"], parts["test"]
+            train, val = hold_out(train, self.val_size, self.seed, "examples")
         if self.packing:
             train = self._pack(train)
             val = self._pack(val) if val is not None else None
@@ -365,13 +345,6 @@ class SFTDataModule(LightningDataModule):
 
     # --------------------------------------------------------------------------------------- streaming
 
-    def _data_parallel(self) -> tuple[int, int]:
-        """(replicas, rank) of data parallelism: what Lightning's own sampler would use (1, 0 without a trainer)."""
-        trainer = self.trainer
-        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer is not None else None
-        kwargs = kwargs or {}
-        return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
-
     def _stream(self, data: Any, raw: RawData, split: str, name: str, train: bool, whole: bool = False) -> PackedStream:
         """A stream of this rank's share of ``data``, tokenized and packed (or truncated) a window at a time;
         ``whole`` yields the tokenized examples uncut and unpacked (for the length profiler)."""
@@ -387,7 +360,7 @@ class SFTDataModule(LightningDataModule):
         if first is None:
             raise ValueError(f"The {name} stream{raw.describe(split)} is empty.")
         dataset_format = self._format_of(list(first), raw, split, first)
-        replicas, rank = self._data_parallel()
+        replicas, rank = self.data_parallel()
         locator = raw.locator(split)
         if replicas > 1:  # as datasets splits: whole shards when they divide evenly, else every replicas-th row
             if data.num_shards % replicas == 0 and data.num_shards > 1:
@@ -468,33 +441,12 @@ class SFTDataModule(LightningDataModule):
         columns = ["input_ids", "labels", "seq_lengths"] if "seq_lengths" in dataset.column_names else ["input_ids", "labels"]
         return dataset.select_columns(columns)
 
-    def _consumed_batches(self) -> int:
-        """Batches of the current epoch that the trainer has run a step on (Lightning fetches one ahead)."""
-        return self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
-
     def train_dataloader(self) -> ResumableDataLoader:
-        consumed = self._consumed_batches if self.trainer is not None else None
-        if self.streaming:
-            loader = ResumableDataLoader(
-                self.train_dataset, batch_size=self.batch_size, collate_fn=self.collator(), consumed_batches=consumed
-            )
-        else:
-            dataset = self._columns(self.train_dataset)
-            replicas, rank = self._data_parallel()
-            loader = ResumableDataLoader(
-                dataset,
-                batch_size=self.batch_size,
-                sampler=ResumableSampler(dataset, num_replicas=replicas, rank=rank, shuffle=True, seed=self.seed),
-                collate_fn=self.collator(),
-                num_workers=self.num_workers,
-                persistent_workers=self.num_workers > 0,
-                consumed_batches=consumed,
-            )
-        if self._train_loader_state is not None:
-            loader.load_state_dict(self._train_loader_state)
-            self._train_loader_state = None
-        self._train_loader = loader
-        return loader
+        if self.streaming:  # the stream shuffles within its windows and is read by this process
+            return self.resumable_train_loader(self.train_dataset, self.batch_size, self.collator())
+        return self.resumable_train_loader(
+            self._columns(self.train_dataset), self.batch_size, self.collator(), self.seed, self.num_workers
+        )
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val_dataset is None:
@@ -509,31 +461,3 @@ class SFTDataModule(LightningDataModule):
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
         )
-
-    # ------------------------------------------------------------------------------------ resume state
-
-    def state_dict(self) -> dict[str, Any]:
-        """The training dataloader's position, saved in checkpoints so a resumed run continues mid-epoch."""
-        if self._train_loader is None:
-            return {}
-        return {"train_loader": self._train_loader.state_dict()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume the training dataloader from a checkpoint's position.
-
-        Lightning restores the datamodule before it builds the dataloaders, except with strategies that
-        restore after their setup (FSDP, ModelParallel) when ``configure_optimizers`` reads
-        ``trainer.estimated_stepping_batches``: the loader has then been iterated already and Lightning
-        drops the saved position (Lightning issue #20550). In that case the loader takes the position
-        and Lightning's fetcher is started again from it.
-        """
-        loader_state = state_dict.get("train_loader")
-        if loader_state is None:
-            return
-        fetcher = getattr(self.trainer.fit_loop, "_data_fetcher", None) if self.trainer is not None else None
-        combined = getattr(fetcher, "_combined_loader", None)
-        if self._train_loader is not None and combined is not None and self._train_loader in combined.flattened:
-            self._train_loader.load_state_dict(loader_state)
-            iter(fetcher)
-        else:
-            self._train_loader_state = loader_state
