@@ -19,7 +19,15 @@ import torch
 from torch import Tensor
 
 from lit_memtrain.autocast import active_autocast_dtype
-from lit_memtrain.loss import IGNORE_INDEX, _chunk_logits, _validate_softcap, _validate_targets, transform_logits
+from lit_memtrain.loss import (
+    IGNORE_INDEX,
+    _accumulate_linear_grads,
+    _chunk_logits,
+    _linear_output_grad,
+    _validate_softcap,
+    _validate_targets,
+    transform_logits,
+)
 
 __all__ = ["chunked_token_log_probs", "token_log_probs"]
 
@@ -74,18 +82,10 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
             # d log p_t / d z = onehot(t) - softmax(z), times each row's incoming gradient.
             grad_logits = torch.exp(logits - lse[start : start + size].unsqueeze(1)).mul_(-grad.unsqueeze(1))
             grad_logits[torch.arange(rows.shape[0], device=rows.device), kept_targets[start : start + size]] += grad
-            if softcap is not None:
-                grad_logits *= 1 - (logits / softcap).square()
-            if scale != 1:
-                grad_logits *= scale
+            _linear_output_grad(grad_logits, logits, softcap, scale, grad_bias)
             del logits
-            if grad_bias is not None:
-                grad_bias += grad_logits.sum(dim=0)
             grad_logits = grad_logits.to(hidden.dtype)
-            if grad_hidden is not None:
-                grad_hidden.index_copy_(0, rows, grad_logits @ weight)
-            if grad_weight is not None:
-                grad_weight += grad_logits.t() @ hidden_rows
+            _accumulate_linear_grads(grad_logits, rows, hidden_rows, weight, grad_hidden, grad_weight)
         return (
             grad_hidden,
             None if grad_weight is None else grad_weight.to(weight.dtype),

@@ -117,6 +117,43 @@ def _chunk_logits(
     return transform_logits(F.linear(hidden_rows, weight, bias).float(), softcap, scale)
 
 
+def _linear_output_grad(
+    grad_logits: Tensor, logits: Tensor, softcap: float | None, scale: float, grad_bias: Tensor | None
+) -> None:
+    """Turn the fp32 gradient w.r.t. :func:`_chunk_logits`' capped, scaled logits into the gradient w.r.t. the
+    linear output, in place, and add its column sums to ``grad_bias`` (None: not needed).
+
+    Shared by the chunked loss and the chunked log-probabilities so both differentiate the same transform.
+    """
+    if softcap is not None:
+        # d(softcap * tanh(z / softcap)) / dz = 1 - tanh^2, with tanh = capped / softcap.
+        grad_logits *= 1 - (logits / softcap).square()
+    if scale != 1:
+        grad_logits *= scale
+    if grad_bias is not None:
+        grad_bias += grad_logits.sum(dim=0)
+
+
+def _accumulate_linear_grads(
+    grad_out: Tensor,
+    rows: Tensor,
+    hidden_rows: Tensor,
+    weight: Tensor,
+    grad_hidden: Tensor | None,
+    grad_weight: Tensor | None,
+) -> None:
+    """Add one chunk's gradients of ``hidden @ weight.T`` to the accumulators (None: not needed), given the
+    gradient ``grad_out`` w.r.t. that chunk's linear output in the dtype of ``hidden_rows``. An fp32 weight
+    gradient accumulates in place (``addmm_``): no [V, H] temporary per chunk."""
+    if grad_hidden is not None:
+        grad_hidden.index_copy_(0, rows, grad_out @ weight)
+    if grad_weight is not None:
+        if hidden_rows.dtype == torch.float32:
+            grad_weight.addmm_(grad_out.t(), hidden_rows)
+        else:
+            grad_weight += grad_out.t() @ hidden_rows
+
+
 class _ChunkedCrossEntropySum(torch.autograd.Function):
     """Sum of token losses over the rows ``kept_rows`` of ``hidden``, never holding all logits at once.
 
@@ -159,22 +196,10 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
                 continue
             grad_logits = torch.exp(logits - lse.unsqueeze(1))
             grad_logits[torch.arange(rows.shape[0], device=rows.device), chunk_targets] -= 1
-            if softcap is not None:
-                # d(softcap * tanh(z / softcap)) / dz = 1 - tanh^2, with tanh = capped / softcap.
-                grad_logits *= 1 - (logits / softcap).square()
-            if scale != 1:
-                grad_logits *= scale
+            _linear_output_grad(grad_logits, logits, softcap, scale, grad_bias)
             del logits
-            if grad_bias is not None:
-                grad_bias += grad_logits.sum(dim=0)
             grad_logits = grad_logits.to(hidden.dtype)
-            if grad_hidden is not None:
-                grad_hidden.index_copy_(0, rows, grad_logits @ weight)
-            if grad_weight is not None:
-                if hidden_rows.dtype == torch.float32:
-                    grad_weight.addmm_(grad_logits.t(), hidden_rows)
-                else:
-                    grad_weight += grad_logits.t() @ hidden_rows
+            _accumulate_linear_grads(grad_logits, rows, hidden_rows, weight, grad_hidden, grad_weight)
         # Held on ctx, not saved for backward: they are results, not inputs, and backward takes them over.
         ctx.gradients = (
             grad_hidden,
