@@ -179,7 +179,14 @@ def pack_table(table: pa.Table, max_length: int, strategy: str = "bfd") -> pa.Ta
             )
     if strategy == "wrapped" and not any(table[name].null_count for name in names):
         return pa.table({name: _wrap_column(table[name], max_length) for name in names})
+    compiling = None
+    if any(_copied_by_segments(table[name]) for name in names):
+        from lit_memtrain.datamodules.segment_copy import compile_in_background
+
+        compiling = compile_in_background()  # llvmlite's import and compile overlap the plan (cold calls)
     plan = plan_packing(lengths, max_length, strategy)
+    if compiling is not None:
+        compiling.join()
     output = {name: _gather_rows(table[name], plan) for name in names}
     if strategy != "wrapped":
         output["seq_lengths"] = pa.ListArray.from_arrays(
@@ -266,6 +273,16 @@ def _plan_wrapped(lengths: np.ndarray, max_length: int) -> PackingPlan:
     )
 
 
+def _copied_by_segments(column: pa.ChunkedArray) -> bool:
+    """Whether ``copy_segments`` copies this list column: fixed-width values without nulls."""
+    value_type = column.type.value_type
+    return (
+        pa.types.is_primitive(value_type)
+        and value_type.bit_width in (8, 16, 32, 64)
+        and not any(chunk.values.null_count for chunk in column.chunks)
+    )
+
+
 def _gather_rows(column: pa.ChunkedArray, plan: PackingPlan) -> pa.ChunkedArray:
     """Copy one list column's planned segments, in plan order, into the packed rows.
 
@@ -283,8 +300,7 @@ def _gather_rows(column: pa.ChunkedArray, plan: PackingPlan) -> pa.ChunkedArray:
     segment_starts = example_offsets[plan.example].astype(np.int64) + plan.start
     token_offsets = np.concatenate(([0], np.cumsum(plan.segment_lengths)))
     value_type = column.type.value_type
-    fixed_width = pa.types.is_primitive(value_type) and value_type.bit_width in (8, 16, 32, 64)
-    if fixed_width and not any(chunk.values.null_count for chunk in chunks):
+    if _copied_by_segments(column):
         from lit_memtrain.datamodules.segment_copy import copy_segments  # llvmlite, imported when used
 
         width = value_type.bit_width // 8

@@ -85,6 +85,22 @@ def _scatter() -> Callable[..., None]:
         return _compiled[1]
 
 
+def compile_in_background() -> threading.Thread:
+    """Start importing llvmlite and compiling the copy loop in a thread, to overlap a caller's other work
+    (the packing plan) with its ~40 ms; ``join`` the thread before timing-sensitive work. A failure (llvmlite
+    missing) is left to the first ``copy_segments`` call, which compiles again and raises it."""
+
+    def compile_quietly() -> None:
+        try:
+            _scatter()
+        except Exception:  # noqa: BLE001 - raised again, in the caller's thread, by copy_segments
+            pass
+
+    thread = threading.Thread(target=compile_quietly, daemon=True)
+    thread.start()
+    return thread
+
+
 def copy_segments(
     sources: Sequence[np.ndarray],
     segment_sources: np.ndarray,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -53,3 +56,19 @@ def test_segments_out_of_bounds_are_refused() -> None:
         copy_segments([source], [1], [0], [1], [0], 1)
     with pytest.raises(ValueError, match="sources must share one dtype"):
         copy_segments([source, source.astype(np.int64)], [0], [0], [1], [0], 1)
+
+
+def test_a_missing_llvmlite_is_raised_by_the_packing_call_not_lost_in_the_compile_thread() -> None:
+    code = (
+        "import sys; sys.modules['llvmlite'] = None\n"
+        "import pyarrow as pa\n"
+        "from lit_memtrain.datamodules.packing import pack_table\n"
+        "table = pa.table({'input_ids': pa.array([[1, 2, 3], [4, 5]])})\n"
+        "try:\n"
+        "    pack_table(table, 4, 'bfd')\n"
+        "except ImportError as error:\n"
+        "    print('raised', error)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.startswith("raised"), result.stdout
+    assert "Traceback" not in result.stderr, result.stderr
