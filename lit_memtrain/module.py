@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+from lightning.fabric.utilities.cloud_io import _load as load_remote_checkpoint
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -750,7 +751,10 @@ def load_checkpoint(path: str | Path, map_location: str = "cpu") -> CausalLMModu
     try:
         if Path(path).is_dir():
             return _load_distributed_checkpoint(Path(path))
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # reads no tensor data
+        if Path(path).is_file():  # memory-mapped: reads no tensor data
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        else:  # a remote path (fsspec), as load_from_checkpoint takes it
+            checkpoint = load_remote_checkpoint(path, map_location="cpu", weights_only=True)
         module_class = _module_class(checkpoint)
         return module_class.load_from_checkpoint(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as error:

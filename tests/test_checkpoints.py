@@ -56,6 +56,11 @@ def test_export_and_resume_load_lit_memtrains_own_checkpoints_with_weights_only(
     good, _, _ = checkpoints
     restored = load_checkpoint(good)
     assert restored.lora == LoraSettings(r=2, alpha=4) and restored.train_tokens_seen == 2 * 12
+    import fsspec
+
+    with fsspec.open("memory://run.ckpt", "wb") as remote:  # a remote path, as load_from_checkpoint takes it
+        remote.write(good.read_bytes())
+    assert load_checkpoint("memory://run.ckpt").train_tokens_seen == 2 * 12
     main(["export", "--checkpoint", str(good), "--output", str(tmp_path / "export")])
     assert (tmp_path / "export" / "config.json").exists()
     module = CausalLMModule(preset="tiny-qwen3", lora=LoraSettings(r=2, alpha=4))
