@@ -29,7 +29,6 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from lit_memtrain.attention import SDPA_BY_DOCUMENT, sdpa_by_document
 from lit_memtrain.context_parallel.exchange import heads_to_sequence, sequence_to_heads
@@ -55,7 +54,12 @@ def _sdpa(
     module: nn.Module, query: Tensor, key: Tensor, value: Tensor, layout: ShardLayout, scaling: float | None,
     dropout: float,
 ) -> Tensor:  # fmt: skip
-    output, _ = sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, is_causal=True)
+    # One causal call per batch (no document bounds: set_layout refuses rows of several segments). Grouped heads
+    # are matched by the shapes the exchange delivers, never by the module's ``num_key_value_groups``: with fewer
+    # key/value heads than ranks each rank holds one replicated key/value head for ``heads / cp`` query heads, and
+    # transformers' SDPA, which repeats keys by the module's ratio where its GQA kernels stop (head_dim > 256),
+    # would then attend with mismatched heads.
+    output, _ = sdpa_by_document(module, query, key, value, None, scaling=scaling, dropout=dropout, is_causal=True)
     return output
 
 

@@ -70,9 +70,13 @@ def _offloaded_activations() -> list[Callback]:
 
 
 KV1 = {"config_overrides": {"num_key_value_heads": 1}}
+# head_dim > 256: transformers' SDPA stops using grouped heads there and repeats keys by the model's ratio (2),
+# not by the one each rank holds after the exchange (1 replicated key/value head for 1 query head).
+KV1_HEAD_DIM_320 = {"config_overrides": {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 320}}
 CASES: dict[str, Case] = {
     "ulysses_single_document": Case((32,), module={"loss_chunk_size": 5}, validate=True),
     "ulysses_single_document_padded_sdpa": Case((31,), {"inner": "sdpa"}, padding=1),
+    "ulysses_sdpa_kv1_head_dim_320": Case((16,), {"inner": "sdpa"}, KV1_HEAD_DIM_320),
     "ulysses_packed_padded_kv2": Case((11, 7, 13), padding=1, validate=True),
     "ulysses_packed_kv1_plain_loss": Case((11, 7, 14), module={"loss_type": "nll", **KV1}),
     "ring_single_document_padded": Case((30,), {"method": "ring"}, padding=2),
