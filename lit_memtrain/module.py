@@ -153,11 +153,13 @@ class CausalLMModule(LightningModule):
         export_dir: at the end of fit, write a Hugging Face directory (model + tokenizer, adapter merged) here.
         trust_remote_code: passed to ``from_pretrained`` / ``from_config``.
 
-    Logged while training: ``train/loss`` and ``train/ppl`` (each micro-batch's), ``train/tokens``, and every
-    ``log_every_n_steps`` optimizer steps (the only device sync for it; no ``.item()`` per micro-batch)
-    ``train/tokens_per_sec`` (all ranks), ``train/device/tokens_per_sec``, ``train/device/flops_per_sec`` and,
-    on accelerators in Lightning's table of peak FLOP/s (not on CPU), ``train/device/mfu`` (model FLOPs
-    utilisation: :mod:`lit_memtrain.throughput`).
+    Logged while training: ``train/loss`` and ``train/ppl`` (each micro-batch's), ``train/tokens`` (real tokens
+    trained so far over all ranks, each token once: a context-parallel group's shards add up to its rows), and
+    every ``log_every_n_steps`` optimizer steps (the only device sync for it; no ``.item()`` per micro-batch)
+    ``train/tokens_per_sec`` (the same count, all ranks), ``train/device/tokens_per_sec``,
+    ``train/device/flops_per_sec`` and, on accelerators in Lightning's table of peak FLOP/s (not on CPU),
+    ``train/device/mfu`` (model FLOPs utilisation: :mod:`lit_memtrain.throughput`). The line printed at the end
+    of fit reports the same token count.
 
     Loss normalisation: every optimizer step trains on the mean loss of all its trainable target tokens,
     across gradient-accumulation micro-batches and data-parallel ranks, so each token weighs the same however
@@ -247,6 +249,7 @@ class CausalLMModule(LightningModule):
         self._window_started_at = 0.0
         self._window_tokens: int | Tensor = 0
         self._window_pairs: int | Tensor = 0
+        self._window_seen_from: int | Tensor = 0
         self._measured_at_step = 0
         self._throughput: dict[str, float] = {}
         self._logit_transform: LogitTransform | None = None
@@ -566,7 +569,8 @@ class CausalLMModule(LightningModule):
 
     @property
     def train_tokens_seen(self) -> int:
-        """Real tokens of all training batches so far, this rank (read from the device when asked for)."""
+        """Real tokens of all training batches so far, summed over every rank, each token once (the same on every
+        rank; read from the device when asked for)."""
         return int(self._tokens_seen)
 
     @train_tokens_seen.setter
@@ -576,14 +580,25 @@ class CausalLMModule(LightningModule):
     def on_train_start(self) -> None:
         _synchronize(self.device)
         self._window_started_at, self._window_tokens, self._window_pairs = time.perf_counter(), 0, 0
+        self._window_seen_from = self._tokens_seen
         self._measured_at_step = self.trainer.global_step
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.run_setup_probes(batch)
         tokens = count_tokens(batch)  # device tensors when counted there, read at the next measurement only
-        self._tokens_seen = self._tokens_seen + tokens
+        self._tokens_seen = self._tokens_seen + self._summed_over_ranks(tokens)
         self._window_tokens = self._window_tokens + tokens
         self._window_pairs = self._window_pairs + attention_pairs(batch)
+
+    def _summed_over_ranks(self, tokens: int | Tensor) -> int | Tensor:
+        """This micro-batch's real tokens over all ranks: each rank counts the tokens it holds (its own rows, or
+        its shard of its group's rows under context parallelism), so the sum counts every token once. One
+        all-reduce of one number, without the barrier of ``strategy.reduce`` (no wait for the device)."""
+        if self.trainer.world_size == 1:
+            return tokens
+        total = tokens.detach().clone() if isinstance(tokens, Tensor) else torch.tensor(tokens, device=self.device)
+        torch.distributed.all_reduce(total)
+        return total
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Measure throughput every ``log_every_n_steps`` optimizer steps (and at the last), the only time the
@@ -603,9 +618,7 @@ class CausalLMModule(LightningModule):
         now = time.perf_counter()
         elapsed = max(now - self._window_started_at, 1e-9)
         tokens = int(self._window_tokens)
-        total = tokens
-        if self.trainer.world_size > 1:
-            total = int(self.trainer.strategy.reduce(torch.tensor(tokens, device=self.device), reduce_op="sum"))
+        total = int(self._tokens_seen) - int(self._window_seen_from)  # what train/tokens rose by
         flops_per_sec = training_flops(self.model, tokens, self._window_pairs) / elapsed
         metrics = {
             "train/tokens_per_sec": total / elapsed,
@@ -616,6 +629,7 @@ class CausalLMModule(LightningModule):
         if peak:
             metrics["train/device/mfu"] = flops_per_sec / peak
         self._window_started_at, self._window_tokens, self._window_pairs = now, 0, 0
+        self._window_seen_from = self._tokens_seen
         return metrics
 
     def _compute_dtype(self) -> torch.dtype:

@@ -17,8 +17,9 @@ belong to how the ranks are organised, not to the model or the loss:
   ends.
 - *The loss* needs nothing new: the module divides each micro-batch's loss by the step's trainable tokens
   counted on the whole rows and summed over ``data_parallel`` (each row once), and each rank's loss is the sum
-  over its own tokens, so the ranks' gradients add up to one process's on the whole sequence. Token counts for
-  ``train/tokens_per_sec`` come from the shard, so each token is counted once.
+  over its own tokens, so the ranks' gradients add up to one process's on the whole sequence. Each rank counts
+  the real tokens of its shard, and the module sums them over every rank, so ``train/tokens``,
+  ``train/tokens_per_sec`` and the end-of-fit summary count each token once (one process's figures).
 
 torch's ring kernels (``method="ring", ring_backend="torch"``, CUDA) replace SDPA only while their context is
 open; backward calls them again, so the context is opened in ``on_train_batch_start`` and closed once the

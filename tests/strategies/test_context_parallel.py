@@ -4,7 +4,8 @@ Every case runs in one launch: two processes forked from pytest train one case a
 own ``Trainer(strategy=ContextParallelStrategy(2, ...))`` on the same rows (the group shares them), and rank 0
 writes what it saw. The references run here, in one process, with the same module, callbacks and rows. Each
 case trains two optimizer steps: the first step's gradients, the weights after both, every micro-batch's
-logged loss and the tokens counted for throughput (summed over the ranks) must be one process's.
+logged loss, and the tokens trained (the logged ``train/tokens``, every rank's ``train_tokens_seen`` and the
+end-of-fit summary line) must be one process's.
 
 Tolerances: the module computes in fp32 (the chunked loss's logits are fp32 whatever the weights' dtype), so
 gradients are compared to rtol 1e-4 (atol 1e-5 of each gradient's largest entry); weights after two AdamW steps
@@ -14,11 +15,14 @@ FSDP2 tests do. Float64 equality of the attention itself is tested in tests/cont
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
+import io
 import json
 import logging
 import os
+import re
 import time
 import traceback
 from collections.abc import Callable
@@ -30,7 +34,7 @@ import torch
 import torch.multiprocessing as mp
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from lightning.pytorch import Callback, Trainer
-from test_fsdp2 import Record, SeededModule, _assert_bf16_close_to_fp32_reference
+from test_fsdp2 import Record, SeededModule, _assert_bf16_close_to_fp32_reference, assert_tokens_trained
 from torch.utils.data import DataLoader
 
 from lit_memtrain.callbacks import (
@@ -149,17 +153,16 @@ def _module(case: Case) -> SeededModule:
     return SeededModule(preset="tiny-qwen3", learning_rate=1e-3, warmup=0, **case.module)
 
 
-class CountTokens(Record):
-    """Also keeps the tokens counted for throughput (summed over every rank) and PositionalLoss's table."""
+class RecordPositionalLoss(Record):
+    """Also keeps PositionalLoss's table."""
 
     def on_train_end(self, trainer, pl_module) -> None:
-        counted = trainer.strategy.reduce(torch.tensor(pl_module.train_tokens_seen), reduce_op="sum")
         super().on_train_end(trainer, pl_module)
         if trainer.is_global_zero:
             tables = sorted(Path(trainer.default_root_dir, "positional_loss").glob("*.csv"))
             by_position = list(csv.reader(tables[-1].open()))[1:] if tables else []
             record = torch.load(self.path, weights_only=True)
-            torch.save({**record, "tokens": int(counted), "loss_by_position": by_position}, self.path)
+            torch.save({**record, "loss_by_position": by_position}, self.path)
 
 
 class SamplerIndices(Callback):
@@ -181,7 +184,7 @@ def _fit(
         max_steps=max_steps,
         accumulate_grad_batches=case.accumulate,
         precision=case.precision,
-        callbacks=[*case.callbacks(), *extra, CountTokens(path)],
+        callbacks=[*case.callbacks(), *extra, RecordPositionalLoss(path)],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -192,7 +195,13 @@ def _fit(
         **options,
     )
     validation = DataLoader([_rows(case, STEPS, 0)], batch_size=None) if case.validate else None
-    trainer.fit(_module(case), train, validation, ckpt_path=ckpt_path)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):  # the module's end-of-fit summary, printed by rank 0
+        trainer.fit(_module(case), train, validation, ckpt_path=ckpt_path)
+    if trainer.is_global_zero:
+        summary = re.search(r"train loss: first .* tokens", printed.getvalue())
+        record = torch.load(path, weights_only=True)
+        torch.save({**record, "summary": summary.group(0) if summary else printed.getvalue()}, path)
     return trainer
 
 
@@ -332,8 +341,11 @@ def _assert_trains_as_one_process(
     single = dataclasses.replace(case, strategy={}, precision="32-true")
     _fit(single, tmp_path / "reference.pt", accelerator, train, devices=1)
     reference = torch.load(tmp_path / "reference.pt", weights_only=True)
+    # The tokens trained, each once (padding added by the strategy is not a token): what one process counts.
     tokens = sum(case.documents) * STEPS * case.accumulate * case.data_parallel
-    assert split["tokens"] == reference["tokens"] == tokens
+    assert_tokens_trained(split, reference, tokens, WORLD * case.data_parallel)
+    assert split["summary"].endswith(f"over {STEPS} steps, {tokens} tokens"), split["summary"]
+    assert reference["summary"].endswith(f"over {STEPS} steps, {tokens} tokens"), reference["summary"]
     if case.bf16:
         _assert_bf16_close_to_fp32_reference(split, reference)
         return

@@ -2,10 +2,10 @@
 
 Every distributed case runs in one launch: two processes forked from pytest (as Lightning's ``ddp_fork``
 does) train one case after another, each with its own ``Trainer(strategy=FSDP2Strategy(...))``, and
-rank 0 writes what it saw (first-step gradients, weights after 3 steps, losses). The references run here,
-in one process, with the same model, callbacks and rows: each optimizer step's rows of both ranks and all
-micro-batches in one batch. Rank 0's rows keep more trainable targets than rank 1's, so only a loss divided
-by the trainable tokens of the whole step and both ranks matches.
+rank 0 writes what it saw (first-step gradients, weights after 3 steps, losses, tokens trained). The
+references run here, in one process, with the same model, callbacks and rows: each optimizer step's rows of
+both ranks and all micro-batches in one batch. Rank 0's rows keep more trainable targets than rank 1's, so
+only a loss divided by the trainable tokens of the whole step and both ranks matches.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from lit_memtrain.datamodules.padding_free import PaddingFreeCollator
 from lit_memtrain.lora import LoraSettings
 from lit_memtrain.module import CausalLMModule
 from lit_memtrain.strategies import FSDP2Strategy
+from lit_memtrain.throughput import count_tokens
 
 WORLD = 2
 STEPS = 3
@@ -145,13 +146,19 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class Record(Callback):
-    """Keeps the first optimizer step's gradients, the weights at the end and every micro-batch's loss."""
+    """Keeps the first optimizer step's gradients, the weights at the end, every micro-batch's loss and the tokens
+    trained (the last logged ``train/tokens``, every rank's ``train_tokens_seen``, the last tokens/s over all
+    ranks and on this device, and the tokens this rank held)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.gradients: dict[str, torch.Tensor] | None = None
         self.losses: list[float] = []
         self.validation_losses: list[float] = []
+        self.local_tokens = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.local_tokens += int(count_tokens(batch))
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.gradients is None:
@@ -166,9 +173,17 @@ class Record(Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         weights = {name: _full(p) for name, p in pl_module.named_parameters()}
+        seen = trainer.strategy.all_gather(torch.tensor(pl_module.train_tokens_seen)).reshape(-1).tolist()
         if trainer.is_global_zero:
             record = {"gradients": self.gradients, "weights": weights, "losses": self.losses}
-            torch.save({**record, "validation_losses": self.validation_losses}, self.path)
+            metrics = trainer.callback_metrics
+            tokens = {
+                "tokens": seen,
+                "logged_tokens": float(metrics["train/tokens"]),
+                "tokens_per_sec": tuple(float(metrics[f"train/{n}tokens_per_sec"]) for n in ("", "device/")),
+                "local_tokens": self.local_tokens,
+            }
+            torch.save({**record, **tokens, "validation_losses": self.validation_losses}, self.path)
 
 
 def _trainer(case: Case, record: Record, root: Path, max_steps: int = STEPS, **options: Any) -> Trainer:
@@ -281,6 +296,17 @@ def _reference(case: Case, directory: Path) -> dict[str, Any]:
     return torch.load(directory / "reference.pt", weights_only=True)
 
 
+def assert_tokens_trained(distributed: dict[str, Any], reference: dict[str, Any], tokens: int, ranks: int) -> None:
+    """The tokens trained are what one process counts, each once, on every rank (``train_tokens_seen``) and in
+    the logged ``train/tokens``; tokens/s over all ranks is that count, rank 0's own tokens/s only its share."""
+    assert distributed["tokens"] == [tokens] * ranks and reference["tokens"] == [tokens]
+    assert distributed["logged_tokens"] == reference["logged_tokens"] == tokens
+    assert 0 < distributed["local_tokens"] < tokens == reference["local_tokens"]
+    for record in (distributed, reference):  # both rates over the same window (logged as float32)
+        all_ranks, this_device = record["tokens_per_sec"]
+        assert all_ranks / this_device == pytest.approx(tokens / record["local_tokens"], rel=1e-6)
+
+
 def _assert_close_to_reference(sharded: dict[str, Any], reference: dict[str, Any]) -> None:
     assert sharded["gradients"].keys() == reference["gradients"].keys()
     assert all(value.dtype == torch.float32 for value in sharded["weights"].values())
@@ -313,6 +339,7 @@ def test_two_sharded_ranks_match_one_process(name, distributed_runs, tmp_path):
         _assert_close_to_reference(sharded, reference)
     # Validation (each rank on its own rows, the metric reduced over both) is the token mean of all rows.
     assert len(sharded["validation_losses"]) == int(case.validate)
+    assert_tokens_trained(sharded, reference, STEPS * case.accumulate * WORLD * ROWS_PER_MICRO_BATCH * LENGTH, WORLD)
     assert sharded["validation_losses"] == pytest.approx(reference["validation_losses"], rel=1e-5)
 
 
