@@ -10,11 +10,12 @@ of size ``s``: the best-fitting rows are those with the least free space ``f >= 
 takes ``f // s`` items in a row (after each it is still the best fit, every free space in
 ``[s, f)`` being empty) and ends with ``f % s`` free, then the next row of that queue does the same.
 So the rows of one queue move together, in queue order, to the queue of ``f % s``, and the items
-that no open row fits open ``ceil(k / (capacity // s))`` rows at once. Python (numpy for the
-blocks) then takes one step per (size, queue) meeting: each step either empties a queue or is the
+that no open row fits open ``ceil(k / (capacity // s))`` rows at once. Plain Python (rows as ranges of
+ids) then takes one step per (size, queue) meeting: each step either empties a queue or is the
 last of its size, and a size ``s`` empties only queues in ``[s, previous size)`` or the few that
 earlier sizes left above, so the steps number O(distinct sizes + min(capacity, rows)), a few
-thousand for a million items, independent of the item count. Plain numpy means nothing to compile:
+thousand for a million items, independent of the item count; numpy expands the steps into a row per
+item at the end. Nothing to compile:
 the first call in a process is as fast as the next (a numba version paid ~0.8 s of numba start-up
 per process, more than the whole pack), and the plan is exactly the per-item one.
 
@@ -28,6 +29,7 @@ Usage::
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from collections import defaultdict, deque
 
 import numpy as np
@@ -61,70 +63,74 @@ def best_fit_decreasing(sizes: np.ndarray, capacity: int) -> tuple[np.ndarray, n
 def _place_by_size(counts: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
     """The row of each item, items taken longest first (``counts[s]`` items of size ``s``), and the row count.
 
-    ``queues[f]`` holds the open rows with ``f`` tokens free, in arrival order, as blocks of row ids
-    (``taken[f]`` of its first block are already gone); ``has_open`` marks the non-empty queues so that
-    the best fit for size ``s`` is the first mark at or after ``s``.
+    ``queues[f]`` holds the open rows with ``f`` tokens free, in arrival order, as ``[start, stop)`` ranges of
+    row ids (rows are opened in blocks of consecutive ids and move in blocks, so a few ranges describe
+    thousands of rows); ``open_frees`` lists the free spaces whose queue is not empty, sorted, so that the
+    best fit for size ``s`` is the first entry ``>= s``. Plain Python ints and lists: a step costs about a
+    microsecond, where numpy calls on tiny arrays cost several.
     """
-    queues: defaultdict[int, deque[np.ndarray]] = defaultdict(deque)
-    taken = [0] * (capacity + 1)
-    queued = [0] * (capacity + 1)
-    has_open = np.zeros(capacity + 1, dtype=bool)
-    steps: list[tuple[np.ndarray, int, int]] = []  # (rows, items per row, items placed), in placement order
+    queues: dict[int, deque[tuple[int, int]]] = defaultdict(deque)
+    queued: dict[int, int] = defaultdict(int)
+    open_frees: list[int] = []
+    steps: list[tuple[list[tuple[int, int]], int, int, int]] = []  # (row ranges, rows, items per row, items placed)
     num_rows = 0
 
-    def enqueue(free: int, rows: np.ndarray) -> None:
-        if free and len(rows):
-            queues[free].append(rows)
-            queued[free] += len(rows)
-            has_open[free] = True
+    def enqueue(free: int, ranges: list[tuple[int, int]], count: int) -> None:
+        if free and count:
+            if not queued[free]:
+                insort(open_frees, free)
+            queues[free].extend(ranges)
+            queued[free] += count
 
-    def dequeue(free: int, count: int) -> np.ndarray:
-        blocks, start = queues[free], taken[free]
+    def dequeue(free: int, count: int) -> list[tuple[int, int]]:
+        blocks, ranges = queues[free], []
         queued[free] -= count
-        has_open[free] = queued[free] > 0
-        pieces = []
+        if not queued[free]:
+            del open_frees[bisect_left(open_frees, free)]
         while count:
-            block = blocks[0]
-            piece = block[start : start + count]
-            pieces.append(piece)
-            count -= len(piece)
-            start += len(piece)
-            if start == len(block):
-                blocks.popleft()
-                start = 0
-        taken[free] = start
-        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+            start, stop = blocks.popleft()
+            if stop - start > count:
+                blocks.appendleft((start + count, stop))
+                stop = start + count
+            ranges.append((start, stop))
+            count -= stop - start
+        return ranges
 
     for size in np.flatnonzero(counts)[::-1].tolist():
         left = int(counts[size])
         while left:
-            free = size + int(has_open[size:].argmax())
-            if has_open[free]:
+            best = bisect_left(open_frees, size)
+            if best < len(open_frees):
+                free = open_frees[best]
                 per_row = free // size
-                rows = dequeue(free, min(queued[free], -(-left // per_row)))
+                rows = min(queued[free], -(-left // per_row))
+                ranges = dequeue(free, rows)
             else:
                 free, per_row = capacity, capacity // size
-                new_rows = -(-left // per_row)
-                rows = np.arange(num_rows, num_rows + new_rows, dtype=np.int64)
-                num_rows += new_rows
-            placed = min(left, len(rows) * per_row)
-            steps.append((rows, per_row, placed))
+                rows = -(-left // per_row)
+                ranges = [(num_rows, num_rows + rows)]
+                num_rows += rows
+            placed = min(left, rows * per_row)
+            steps.append((ranges, rows, per_row, placed))
             left -= placed
             full = placed // per_row
-            enqueue(free - per_row * size, rows[:full])
-            if full < len(rows):  # the last row took fewer items: it keeps more free space
-                enqueue(free - (placed - full * per_row) * size, rows[full:])
+            if full == rows:
+                enqueue(free - per_row * size, ranges, rows)
+            else:  # the last row took fewer items: it keeps more free space
+                start, stop = ranges[-1]
+                enqueue(free - per_row * size, [*ranges[:-1], (start, stop - 1)] if stop - 1 > start else ranges[:-1], full)
+                enqueue(free - (placed - full * per_row) * size, [(stop - 1, stop)], 1)
     return _rows_of_items(steps), num_rows
 
 
-def _rows_of_items(steps: list[tuple[np.ndarray, int, int]]) -> np.ndarray:
+def _rows_of_items(steps: list[tuple[list[tuple[int, int]], int, int, int]]) -> np.ndarray:
     """The row of each item: in each step every row takes ``per_row`` items in turn, the last one the rest."""
     if not steps:
         return np.zeros(0, dtype=np.int64)
-    rows = np.concatenate([step[0] for step in steps])
-    num_step_rows = np.array([len(step[0]) for step in steps])
-    per_row = np.array([step[1] for step in steps])
-    placed = np.array([step[2] for step in steps])
+    ranges = np.array([row_range for step in steps for row_range in step[0]], dtype=np.int64).reshape(-1, 2)
+    range_rows = ranges[:, 1] - ranges[:, 0]
+    rows = np.repeat(ranges[:, 0] - np.cumsum(range_rows) + range_rows, range_rows) + np.arange(int(range_rows.sum()))
+    num_step_rows, per_row, placed = np.array([step[1:] for step in steps]).T
     items_per_row = np.repeat(per_row, num_step_rows)
     items_per_row[np.cumsum(num_step_rows) - 1] = placed - (num_step_rows - 1) * per_row
     return np.repeat(rows, items_per_row)
