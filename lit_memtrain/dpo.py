@@ -231,8 +231,7 @@ accumulation, the mean of the micro-batches' means, as in TRL).
         self.log("train/loss", loss.detach(), prog_bar=True, batch_size=pairs)
         for name, value in metrics.items():
             self.log(f"train/{name}", value, prog_bar=name == "rewards/margins", batch_size=pairs)
-        seen = self._tokens_seen
-        self.log("train/tokens", seen.float() if isinstance(seen, Tensor) else float(seen), batch_size=pairs)
+        self.log("train/tokens", self._tokens_seen_metric(), batch_size=pairs)
         return loss
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:

@@ -534,9 +534,15 @@ class CausalLMModule(LightningModule):
         self._last_loss = mean
         self.log("train/loss", mean, prog_bar=True)
         self.log("train/ppl", torch.exp(mean.clamp(max=50.0)))
-        seen = self._tokens_seen
-        self.log("train/tokens", seen.float() if isinstance(seen, Tensor) else float(seen))
+        self.log("train/tokens", self._tokens_seen_metric())
         return loss
+
+    def _tokens_seen_metric(self) -> Tensor:
+        """``train/tokens`` as a metric: float64 (exact to 2**53 tokens, where float32 rounds past 2**24, a count
+        a multi-rank run passes in minutes) on every device that has it, kept on the device (no sync)."""
+        dtype = torch.float32 if self.device.type == "mps" else torch.float64
+        seen = self._tokens_seen
+        return seen.to(dtype) if isinstance(seen, Tensor) else torch.tensor(seen, dtype=dtype, device=self.device)
 
     def _micro_batch_mean(self, loss_sum: Tensor, targets: Tensor) -> Tensor:
         """The micro-batch's mean token loss; over the whole rows when each rank of a context-parallel group
@@ -597,6 +603,8 @@ class CausalLMModule(LightningModule):
         if self.trainer.world_size == 1:
             return tokens
         total = tokens.detach().clone() if isinstance(tokens, Tensor) else torch.tensor(tokens, device=self.device)
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):  # e.g. XLA's own reduce
+            return self.trainer.strategy.reduce(total, reduce_op="sum")
         torch.distributed.all_reduce(total)
         return total
 

@@ -251,6 +251,43 @@ def test_resumed_runs_keep_their_token_count_and_losses(tmp_path):
     assert (restored.first_train_loss, restored.last_train_loss) == (module.first_train_loss, module.last_train_loss)
 
 
+def test_the_logged_token_count_stays_exact_past_float32_integers(tmp_path):
+    """float32 holds integers exactly up to 2**24 tokens, which a multi-rank run passes in minutes."""
+    from lightning.pytorch import Callback, Trainer
+
+    from lit_memtrain.datamodules.sft import SFTDataModule
+
+    class RecordTokens(Callback):
+        def __init__(self) -> None:
+            self.logged: list[tuple[float, int]] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.logged.append((float(trainer.callback_metrics["train/tokens"]), pl_module.train_tokens_seen))
+
+    module = _module(tokenizer="lit-memtrain/embedded")
+    module.train_tokens_seen = 2**24 + 1
+    record = RecordTokens()
+    trainer = Trainer(max_steps=3, logger=False, enable_progress_bar=False, callbacks=[record], default_root_dir=tmp_path)
+    trainer.fit(module, datamodule=SFTDataModule(max_length=32, batch_size=2))
+    assert len(record.logged) == 3 and all(seen > 2**24 + 1 for _, seen in record.logged)
+    assert [logged for logged, _ in record.logged] == [float(seen) for _, seen in record.logged]
+
+
+def test_token_counts_go_through_the_strategy_where_torch_distributed_is_not_initialised():
+    """XLA's strategy has several ranks but no torch.distributed process group: its own reduce sums the counts."""
+    from types import SimpleNamespace
+
+    class DoublingStrategy:
+        def reduce(self, value: torch.Tensor, reduce_op: str) -> torch.Tensor:
+            assert reduce_op == "sum"
+            return value * 2
+
+    module = CausalLMModule(preset="tiny-qwen3")
+    module._trainer = SimpleNamespace(world_size=2, strategy=DoublingStrategy())
+    assert not torch.distributed.is_initialized()
+    assert int(module._summed_over_ranks(5)) == int(module._summed_over_ranks(torch.tensor(5))) == 10
+
+
 def _accumulation_run(tmp_path, callbacks=(), **trainer_options):
     """Two micro-batches with 4 and 1 trainable targets, plain SGD with lr 1, and the gradient of their 5-token mean."""
     from lightning.pytorch import Trainer

@@ -373,6 +373,12 @@ def test_a_resumed_context_parallel_run_reproduces_the_second_step_exactly(distr
     first = _result(distributed_runs, "resume", "first.pt")
     resumed = _result(distributed_runs, "resume", "resumed.pt")
     assert first["losses"] == straight["losses"][:1] and resumed["losses"] == straight["losses"][1:]
+    # The token counter is checkpointed summed over the ranks: the resumed run ends where the straight one does.
+    tokens = sum(RESUME.documents) * 2
+    assert first["tokens"] == [tokens // 2] * WORLD and first["logged_tokens"] == tokens // 2
+    assert resumed["tokens"] == straight["tokens"] == [tokens] * WORLD
+    assert resumed["logged_tokens"] == straight["logged_tokens"] == tokens
+    assert resumed["summary"].endswith(f"over 2 steps, {tokens} tokens"), resumed["summary"]
     for key, expected in straight["weights"].items():
         torch.testing.assert_close(resumed["weights"][key], expected, rtol=0, atol=0, msg=key)
     assert len(list((distributed_runs / "resume" / "checkpoint").glob("*.distcp"))) == WORLD
