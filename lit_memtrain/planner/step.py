@@ -165,7 +165,7 @@ def simulate_fit_step(settings: PlanSettings, max_length: int | None = None) -> 
             module.trainer = None
     notes += _attention_notes(settings, max_length, model_config.num_attention_heads)
     if settings.preference:
-        notes.append(_reference_note(module.reference_mode, settings.batch_size))
+        notes.append(_reference_note(module.reference_mode))
     parameters = sum(param.numel() for param in module.model.parameters())
     trainable = sum(param.numel() for param in module.model.parameters() if param.requires_grad)
     return StepSimulation(
@@ -187,7 +187,7 @@ def _resolve_module_class(class_path: str) -> type:
     return getattr(importlib.import_module(module_name), name)
 
 
-def _reference_note(reference_mode: str, pairs: int) -> str:
+def _reference_note(reference_mode: str) -> str:
     if reference_mode == "adapter_disabled":
         return (
             "DPO, reference='adapter_disabled': each step also runs the model without gradients and with the LoRA "
@@ -195,8 +195,8 @@ def _reference_note(reference_mode: str, pairs: int) -> str:
         )
     return (
         "DPO, reference='precomputed': each step reads the reference log-probabilities from the batch; the pass that "
-        f"computes them before training (no gradients, batches of val_batch_size pairs; {pairs} in this step) is not "
-        "simulated, like validation."
+        "computes them before training (without gradients, in batches of val_batch_size pairs) is not simulated, like "
+        "validation."
     )
 
 
