@@ -107,8 +107,11 @@ accumulation, the mean of the micro-batches' means, as in TRL).
         sequences = 2 * int(batch["num_pairs"])
         ids = batch["sequence_ids"].flatten()  # padding is sequence 2B, dropped below
         sums = token_logps.new_zeros(sequences + 1).index_add(0, ids, token_logps)[:sequences]
-        counts = torch.bincount(ids[targets != IGNORE_INDEX], minlength=sequences + 1)[:sequences]
-        return sums, counts
+        # Shapes that do not depend on values (no bincount, no boolean mask): no device sync, and the planner's
+        # fake tensors run this very code.
+        trainable = (targets != IGNORE_INDEX).long()
+        counts = torch.zeros(sequences + 1, dtype=torch.long, device=ids.device).index_add(0, ids, trainable)
+        return sums, counts[:sequences]
 
     def _chunked_token_logps(self, batch: dict[str, Any], targets: Tensor) -> Tensor:
         hidden, weight, bias, _ = self._hidden_and_head(batch)

@@ -37,8 +37,9 @@ _GIB = 2**30
 class MemoryPlanCheck(Callback):
     """Simulate one training step of the fit before the model is built; warn (or stop) if it will not fit.
 
-    Needs a :class:`~lit_memtrain.module.CausalLMModule` (or a subclass) and a datamodule with ``max_length``
-    and ``batch_size`` such as :class:`~lit_memtrain.datamodules.sft.SFTDataModule`.
+    Needs a :class:`~lit_memtrain.module.CausalLMModule` and a datamodule with ``max_length`` and ``batch_size``
+    such as :class:`~lit_memtrain.datamodules.sft.SFTDataModule`, or a :class:`~lit_memtrain.dpo.DPOModule` and a
+    :class:`~lit_memtrain.datamodules.preference.PreferenceDataModule`; other modules are skipped with a warning.
 
     Args:
         gpu_memory_gib: memory of one GPU to plan for. Default: the training device's on CUDA; elsewhere the
@@ -104,7 +105,11 @@ class MemoryPlanCheck(Callback):
             return None
         from lit_memtrain.planner.fit_config import settings_from_trainer
 
-        settings = settings_from_trainer(trainer, pl_module, datamodule)
+        try:
+            settings = settings_from_trainer(trainer, pl_module, datamodule)
+        except ValueError as error:  # a module or data whose step the planner does not know
+            rank_zero_warn(f"MemoryPlanCheck cannot plan this fit, skipped: {error}")
+            return None
         with tempfile.TemporaryDirectory() as directory:
             path = Path(directory) / "settings.json"
             path.write_text(json.dumps(settings.to_dict()))

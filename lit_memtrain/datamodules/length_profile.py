@@ -11,6 +11,10 @@ with Best-Fit Decreasing (:func:`lit_memtrain.datamodules.packing.plan_packing`)
 Recommendation rule: the smallest candidate that truncates at most ``max_truncated_token_share``
 (1% by default) of all tokens; the largest candidate when none does.
 
+Data that is never packed (DPO's pairs: each profiled length is one sequence, prompt + chosen or prompt +
+rejected, and a batch of ``B`` pairs is ``2 B`` of them) is profiled with ``packing=False``: the packing
+columns are left out rather than offering a layout the data cannot take.
+
 Usage (notebook)::
 
     from lit_memtrain.datamodules.length_profile import profile_lengths, write_histogram
@@ -42,15 +46,16 @@ class CandidateProfile:
     truncated_example_share: float
     batch_padding_waste: float
     max_length_padding_waste: float
-    packing_waste: float
-    packed_rows: int
+    packing_waste: float | None
+    packed_rows: int | None
 
 
 @dataclass(frozen=True)
 class LengthProfile:
     """Length statistics and one :class:`CandidateProfile` per candidate ``max_length``.
 
-    ``percentiles`` maps ``"p50"``, ``"p90"``, ``"p95"``, ``"p99"`` and ``"max"`` to lengths.
+    ``percentiles`` maps ``"p50"``, ``"p90"``, ``"p95"``, ``"p99"`` and ``"max"`` to lengths;
+    ``configured_max_length`` is the configuration's own ``max_length``, when given, named under the table.
     """
 
     num_examples: int
@@ -61,39 +66,33 @@ class LengthProfile:
     recommended_max_length: int
     max_truncated_token_share: float
     lengths: np.ndarray = field(repr=False, compare=False)
+    configured_max_length: int | None = None
 
     def to_table(self) -> str:
         """The report as a plain-text table; the recommended row is marked with ``*``."""
         stats = ", ".join(f"{name} {value:g}" for name, value in self.percentiles.items())
+        packed = self.candidates[0].packed_rows is not None
         lines = [
             f"{self.num_examples:,} examples, {self.num_tokens:,} tokens; lengths: {stats}",
-            f"padded batches: {self.batch_size} examples each, in dataset order; "
-            "packed: Best-Fit Decreasing",
+            f"padded batches: {self.batch_size} examples each, in dataset order"
+            + ("; packed: Best-Fit Decreasing" if packed else ""),
             "",
         ]
-        header = (
-            "  max_length",
-            "tokens cut",
-            "examples cut",
-            "waste padded/batch",
-            "waste padded/max",
-            "waste packed",
-            "packed rows",
-        )
+        header = ("  max_length", "tokens cut", "examples cut", "waste padded/batch", "waste padded/max")
+        header += ("waste packed", "packed rows") if packed else ()
         rows = [header]
         for candidate in self.candidates:
             marker = "*" if candidate.max_length == self.recommended_max_length else " "
-            rows.append(
-                (
-                    f"{marker} {candidate.max_length}",
-                    _percent(candidate.truncated_token_share),
-                    _percent(candidate.truncated_example_share),
-                    _percent(candidate.batch_padding_waste),
-                    _percent(candidate.max_length_padding_waste),
-                    _percent(candidate.packing_waste),
-                    f"{candidate.packed_rows:,}",
-                )
+            row = (
+                f"{marker} {candidate.max_length}",
+                _percent(candidate.truncated_token_share),
+                _percent(candidate.truncated_example_share),
+                _percent(candidate.batch_padding_waste),
+                _percent(candidate.max_length_padding_waste),
             )
+            if packed:
+                row += (_percent(candidate.packing_waste), f"{candidate.packed_rows:,}")
+            rows.append(row)
         widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
         lines += ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
         lines += [
@@ -101,6 +100,12 @@ class LengthProfile:
             f"* recommended: the smallest max_length truncating at most "
             f"{_percent(self.max_truncated_token_share)} of tokens",
         ]
+        configured = next((c for c in self.candidates if c.max_length == self.configured_max_length), None)
+        if configured is not None:
+            lines.append(
+                f"configured max_length {configured.max_length}: cuts {_percent(configured.truncated_token_share)} "
+                f"of tokens, in {_percent(configured.truncated_example_share)} of examples"
+            )
         return "\n".join(lines)
 
 
@@ -109,11 +114,14 @@ def profile_lengths(
     candidates: Iterable[int] | None = None,
     batch_size: int = 8,
     max_truncated_token_share: float = 0.01,
+    configured: int | None = None,
+    packing: bool = True,
 ) -> LengthProfile:
     """Profile per-example token ``lengths`` against candidate ``max_length`` values.
 
     ``candidates`` defaults to the powers of two from the largest one not above the median length
-    up to the smallest one not below the longest example.
+    up to the smallest one not below the longest example; ``configured`` (a configuration's
+    ``max_length``) is profiled too. ``packing=False``: no packing figures (data that is not packed).
     """
     lengths = np.asarray(lengths)
     if lengths.ndim != 1 or lengths.size == 0 or not np.issubdtype(lengths.dtype, np.integer):
@@ -131,6 +139,8 @@ def profile_lengths(
             f"max_truncated_token_share must be in [0, 1), got {max_truncated_token_share!r}."
         )
     candidate_lengths = _default_candidates(lengths) if candidates is None else list(candidates)
+    if configured is not None:
+        candidate_lengths.append(configured)
     if not candidate_lengths or any(
         isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1
         for value in candidate_lengths
@@ -138,7 +148,7 @@ def profile_lengths(
         raise ValueError(f"candidates must be a non-empty list of integers >= 1, got {candidates!r}.")
     candidate_lengths = sorted(set(int(value) for value in candidate_lengths))
     profiles = tuple(
-        _profile_candidate(lengths, max_length, batch_size) for max_length in candidate_lengths
+        _profile_candidate(lengths, max_length, batch_size, packing) for max_length in candidate_lengths
     )
     percentiles = {f"p{q}": float(np.percentile(lengths, q)) for q in PERCENTILES}
     percentiles["max"] = float(lengths.max())
@@ -151,6 +161,7 @@ def profile_lengths(
         recommended_max_length=recommend_max_length(profiles, max_truncated_token_share),
         max_truncated_token_share=max_truncated_token_share,
         lengths=lengths,
+        configured_max_length=configured,
     )
 
 
@@ -207,23 +218,26 @@ def write_histogram(
     return path
 
 
-def _profile_candidate(lengths: np.ndarray, max_length: int, batch_size: int) -> CandidateProfile:
+def _profile_candidate(lengths: np.ndarray, max_length: int, batch_size: int, packing: bool) -> CandidateProfile:
     kept = np.minimum(lengths, max_length)
     total, kept_total = int(lengths.sum()), int(kept.sum())
     batch_starts = np.arange(0, len(kept), batch_size)
     batch_longest = np.maximum.reduceat(kept, batch_starts)
     batch_sizes = np.diff(np.append(batch_starts, len(kept)))
-    from lit_memtrain.datamodules.packing import plan_packing  # here: packing needs pyarrow, GPU machines may lack it
+    packing_waste, packed_rows = None, None
+    if packing:
+        from lit_memtrain.datamodules.packing import plan_packing  # here: packing needs pyarrow, GPU machines may lack it
 
-    plan = plan_packing(lengths, max_length, "bfd")
+        plan = plan_packing(lengths, max_length, "bfd")
+        packing_waste, packed_rows = (1.0 - plan.fill if plan.num_rows else 0.0), plan.num_rows
     return CandidateProfile(
         max_length=max_length,
         truncated_token_share=_share(total - kept_total, total),
         truncated_example_share=float(np.mean(lengths > max_length)),
         batch_padding_waste=1.0 - _share(kept_total, int((batch_longest * batch_sizes).sum()), 1.0),
         max_length_padding_waste=1.0 - _share(kept_total, len(kept) * max_length, 1.0),
-        packing_waste=1.0 - plan.fill if plan.num_rows else 0.0,
-        packed_rows=plan.num_rows,
+        packing_waste=packing_waste,
+        packed_rows=packed_rows,
     )
 
 

@@ -149,6 +149,15 @@ class PreferenceDataModule(ResumableDataModule):
 
     def _tokenize(self, data: Dataset, raw: RawData, split: str, name: str) -> Dataset:
         """Tokenize and truncate a split; count and log the tokens."""
+        tokenized = self._tokenize_pairs(data, raw, split, name, self.max_length)
+        counts = self.token_counts[name] = _counts(tokenized.with_format("arrow")[:])
+        rank_zero_info(f"{name}: {counts.describe(self.max_length)} (pairs; tokens of both sequences).")
+        kept_columns = [c for c in REFERENCE_COLUMNS if c in tokenized.column_names]
+        return tokenized.select_columns(_TOKENIZED_COLUMNS + kept_columns)
+
+    def _tokenize_pairs(self, data: Dataset, raw: RawData, split: str, name: str, max_length: int | None) -> Dataset:
+        """Tokenize a split's pairs (prompts cut to ``max_prompt_length``, sequences to ``max_length``), keeping
+        ``num_tokens`` and any reference columns."""
         columns = list(data.column_names)
         try:
             detect_preference_format(columns)
@@ -167,7 +176,7 @@ class PreferenceDataModule(ResumableDataModule):
             fn_kwargs={
                 "locator": raw.locator(split),
                 "tokenizer": self.tokenizer,
-                "max_length": self.max_length,
+                "max_length": max_length,
                 "max_prompt_length": self.max_prompt_length,
                 "truncation_mode": self.truncation_mode,
             },
@@ -175,13 +184,19 @@ class PreferenceDataModule(ResumableDataModule):
             num_proc=self.num_proc,
             desc=f"Tokenizing {name} (preference pairs)",
         )
-        table = tokenized.with_format("arrow")[:]
-        kept = (2 * _lengths(table, "prompt_ids") + _lengths(table, "chosen_ids") + _lengths(table, "rejected_ids")).sum()
-        total = int(table.column("num_tokens").to_numpy().sum())
-        counts = TokenCounts(examples=len(table), tokens=total, kept_tokens=int(kept), truncated_tokens=total - int(kept))
-        self.token_counts[name] = counts
-        rank_zero_info(f"{name}: {counts.describe(self.max_length)} (pairs; tokens of both sequences).")
-        return tokenized.select_columns(_TOKENIZED_COLUMNS + kept_columns)
+        return tokenized
+
+    def token_lengths(self, sample: int | None = None) -> np.ndarray:
+        """Token lengths of the training pairs' sequences, for the length profiler: prompt + chosen and prompt +
+        rejected of each pair, in that order, as training tokenizes them with the prompt cut to
+        ``max_prompt_length`` but no ``max_length`` (whose cut the profiler measures); of the first ``sample``
+        pairs when given. ``token_counts["train"]`` then counts the prompt tokens ``max_prompt_length`` cut."""
+        raw, data, _ = self._load()
+        if sample is not None:
+            data = data.select(range(min(sample, len(data))))
+        table = self._tokenize_pairs(data, raw, self.split, "train", None).with_format("arrow")[:]
+        self.token_counts["train"] = _counts(table)
+        return _sequence_lengths(table).ravel()
 
     def _prepare(self) -> None:
         raw, data, val_data = self._load()
@@ -256,6 +271,18 @@ class PreferenceDataModule(ResumableDataModule):
         for name, values in zip(REFERENCE_COLUMNS, (chosen, rejected)):
             dataset = dataset.add_column(name, values.double().cpu().numpy().tolist())
         self.datasets[split] = dataset
+
+
+def _sequence_lengths(table: Any) -> np.ndarray:
+    """``[pairs, 2]``: the tokens of each pair's prompt + chosen and prompt + rejected sequence."""
+    prompts = _lengths(table, "prompt_ids")
+    return np.stack([prompts + _lengths(table, "chosen_ids"), prompts + _lengths(table, "rejected_ids")], axis=1)
+
+
+def _counts(table: Any) -> TokenCounts:
+    """Tokens of both sequences of every pair: as read (``num_tokens``) and as kept."""
+    total, kept = int(table.column("num_tokens").to_numpy().sum()), int(_sequence_lengths(table).sum())
+    return TokenCounts(examples=len(table), tokens=total, kept_tokens=kept, truncated_tokens=total - kept)
 
 
 def _lengths(table: Any, column: str) -> np.ndarray:

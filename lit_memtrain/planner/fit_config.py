@@ -4,18 +4,42 @@ Why through LightningCLI's own parser: a plan must read exactly what ``lit-memtr
 ``--config`` files, ``--model.*``/``--data.*``/``--trainer.*`` overrides, ``--trainer.callbacks+=``, the
 ``--key=value`` forms of a sweep agent, the link from ``data.tokenizer`` to ``model.tokenizer``), so it parses
 with :class:`lit_memtrain.cli.MemTrainCLI` and stops before anything is instantiated: no tokenizer, dataset,
-Trainer or weights are loaded, and a config written for a GPU (``accelerator: gpu``) parses on a laptop.
+Trainer or weights are loaded, and a config written for a GPU (``accelerator: gpu``) parses on a laptop. A
+config that names its classes (``model: {class_path: lit_memtrain.DPOModule, ...}``, as ``configs/dpo.yaml``
+does) is parsed as ``fit`` parses it, and planned when its classes are ones whose step the planner knows:
+:class:`~lit_memtrain.module.CausalLMModule` on :class:`~lit_memtrain.datamodules.sft.SFTDataModule` rows, or
+:class:`~lit_memtrain.dpo.DPOModule` on :class:`~lit_memtrain.datamodules.preference.PreferenceDataModule` pairs
+(or subclasses that keep that step); any other is refused with what to give instead.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-from lit_memtrain.planner.settings import CallbackSpec, PlanSettings, StrategySpec, normalise_precision
+from lit_memtrain.planner.settings import (
+    CAUSAL_LM_MODULE,
+    DPO_MODULE,
+    CallbackSpec,
+    PlanSettings,
+    StrategySpec,
+    init_parameters,
+    normalise_precision,
+)
 
-__all__ = ["read_fit_config", "settings_from_config", "settings_from_trainer", "strategy_spec"]
+__all__ = ["planned_module_class", "read_fit_config", "settings_from_config", "settings_from_trainer", "strategy_spec"]
 
 _SINGLE_PROCESS = ("single_device", "singledevice", "singledevicestrategy")
+# What the simulated step runs of CausalLMModule and DPOModule: a subclass that overrides one of these trains differently.
+_STEP_METHODS = (
+    "training_step", "compute_loss", "_chunked_loss", "_hidden_and_head", "_model_inputs",
+    "pair_loss", "sequence_logps", "_chunked_token_logps", "batch_reference_logps",
+)  # fmt: skip
+# The data each planned module is trained on, whose arguments give the rows of a step.
+_DATA_OF = {
+    CAUSAL_LM_MODULE: "lit_memtrain.datamodules.sft.SFTDataModule",
+    DPO_MODULE: "lit_memtrain.datamodules.preference.PreferenceDataModule",
+}
 
 
 def read_fit_config(args: list[str]) -> PlanSettings:
@@ -24,7 +48,9 @@ def read_fit_config(args: list[str]) -> PlanSettings:
     Example:
         >>> read_fit_config(["--config", "configs/long_context.yaml", "--data.max_length=262144"])  # doctest: +SKIP
     """
-    from lit_memtrain.cli import MemTrainCLI
+    from lightning.pytorch import LightningDataModule
+
+    from lit_memtrain.cli import MemTrainCLI, names_model_class
     from lit_memtrain.datamodules.sft import SFTDataModule
     from lit_memtrain.module import CausalLMModule
 
@@ -36,9 +62,12 @@ def read_fit_config(args: list[str]) -> PlanSettings:
         def instantiate_classes(self) -> None:
             pass
 
+    by_class_path = names_model_class(args)  # as `lit-memtrain fit` chooses
     reader = FitConfigReader(
         CausalLMModule,
-        SFTDataModule,
+        LightningDataModule if by_class_path else SFTDataModule,
+        subclass_mode_model=by_class_path,
+        subclass_mode_data=by_class_path,
         args=args,
         run=False,
         auto_configure_optimizers=False,
@@ -49,9 +78,22 @@ def read_fit_config(args: list[str]) -> PlanSettings:
 
 
 def settings_from_config(config: dict[str, Any]) -> PlanSettings:
-    """Plan settings from a parsed fit configuration (``model``, ``data`` and ``trainer`` sections as dicts)."""
-    model = dict(config.get("model") or {})
-    data = config.get("data") or {}
+    """Plan settings from a parsed fit configuration (``model``, ``data`` and ``trainer`` sections as dicts, each
+    the class's arguments or a ``class_path`` and its ``init_args``).
+
+    Raises:
+        ValueError: a module or datamodule class whose step the planner does not know, with what to give instead.
+    """
+    model_class, model = _class_and_arguments(config.get("model"), CAUSAL_LM_MODULE)
+    data_class, data = _class_and_arguments(config.get("data"), _DATA_OF[CAUSAL_LM_MODULE])
+    module_class = planned_module_class(model_class)
+    expected_data = _DATA_OF[module_class]
+    if not any(_class_path(klass) == expected_data for klass in _resolve(data_class, "data").__mro__):
+        raise ValueError(
+            f"{module_class.rsplit('.', 1)[-1]} is planned on the batches of {expected_data} (its max_length, "
+            f"batch_size and padding-free or padded rows), but data.class_path is {data_class!r}. Plan with "
+            f"--data.class_path={expected_data} and the run's max_length and batch_size."
+        )
     trainer = config.get("trainer") or {}
     callbacks = tuple(_callback_spec(entry) for entry in (trainer.get("callbacks") or []))
     return PlanSettings(
@@ -64,7 +106,59 @@ def settings_from_config(config: dict[str, Any]) -> PlanSettings:
         accumulate_grad_batches=int(trainer.get("accumulate_grad_batches") or 1),
         strategy=strategy_spec(trainer.get("strategy"), trainer.get("devices"), trainer.get("num_nodes")),
         tokenizer=data.get("tokenizer") or model.get("tokenizer"),
+        module_class=module_class,
     )
+
+
+def planned_module_class(model_class: str | type) -> str:
+    """The module whose training step the plan simulates for ``model_class`` (a class or its ``class_path``):
+    :data:`CAUSAL_LM_MODULE` or :data:`DPO_MODULE`, for that class or a subclass that keeps its step.
+
+    Raises:
+        ValueError: another class, or a subclass that overrides what the step runs, with what to plan instead.
+    """
+    from lit_memtrain.dpo import DPOModule
+    from lit_memtrain.module import CausalLMModule
+
+    cls = _resolve(model_class, "model")
+    base = next((known for known in (DPOModule, CausalLMModule) if issubclass(cls, known)), None)
+    if base is None:
+        raise ValueError(
+            f"model.class_path is {_class_path(cls)!r}: the planner simulates the training steps of "
+            "lit_memtrain.CausalLMModule (SFT) and lit_memtrain.DPOModule only. Give one of them as model.class_path."
+        )
+    overridden = [name for name in _STEP_METHODS if getattr(cls, name, None) is not getattr(base, name, None)]
+    if overridden:
+        raise ValueError(
+            f"model.class_path is {_class_path(cls)!r}, which overrides {', '.join(overridden)} of {base.__name__}: "
+            f"the planner simulates {base.__name__}'s own training step and cannot know this one. To plan "
+            f"{base.__name__}'s step instead, give --model.class_path={_class_path(base)} with the run's model "
+            "arguments."
+        )
+    return _class_path(base)
+
+
+def _class_and_arguments(section: Any, default_class: str) -> tuple[str, dict[str, Any]]:
+    """A config section's class path and arguments: its ``class_path`` and ``init_args``, or ``default_class``
+    and the section itself."""
+    section = dict(section or {})
+    if "class_path" in section:
+        return str(section["class_path"]), dict(section.get("init_args") or {})
+    return default_class, section
+
+
+def _resolve(class_path: str | type, section: str) -> type:
+    if isinstance(class_path, type):
+        return class_path
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ValueError(f"Cannot import {section}.class_path {class_path!r}: {error}") from error
+
+
+def _class_path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _callback_spec(entry: Any) -> CallbackSpec:
@@ -125,15 +219,25 @@ def strategy_spec(strategy: Any, devices: Any = None, num_nodes: Any = None) -> 
 
 
 def settings_from_trainer(trainer: Any, module: Any, datamodule: Any) -> PlanSettings:
-    """Plan settings from a live Trainer, a ``CausalLMModule`` and a datamodule with ``max_length`` and
-    ``batch_size`` (``SFTDataModule``), before the model is built (what a callback's ``setup`` sees)."""
+    """Plan settings from a live Trainer, a ``CausalLMModule`` or ``DPOModule`` and a datamodule with ``max_length``
+    and ``batch_size`` (``SFTDataModule``; ``PreferenceDataModule`` for DPO), before the model is built (what a
+    callback's ``setup`` sees).
+
+    Raises:
+        ValueError: a module the planner does not simulate, or DPO on other data than ``PreferenceDataModule``.
+    """
     import dataclasses
     import inspect
 
-    from lit_memtrain.module import CausalLMModule
     from lit_memtrain.planner.settings import SIMULATED_CALLBACKS
 
-    accepted = set(inspect.signature(CausalLMModule.__init__).parameters)  # a subclass may add its own
+    module_class = planned_module_class(type(module))
+    if module_class == DPO_MODULE and not any(_class_path(k) == _DATA_OF[DPO_MODULE] for k in type(datamodule).__mro__):
+        raise ValueError(
+            f"A DPO step is planned from the pairs of {_DATA_OF[DPO_MODULE]} (batch_size pairs, two sequences each), "
+            f"but the datamodule is {_class_path(type(datamodule))}."
+        )
+    accepted = init_parameters(_resolve(module_class, "model"))  # a subclass may add arguments of its own
     hparams = {
         name: dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
         for name, value in dict(module.hparams).items()
@@ -158,6 +262,7 @@ def settings_from_trainer(trainer: Any, module: Any, datamodule: Any) -> PlanSet
         accumulate_grad_batches=int(trainer.accumulate_grad_batches),
         strategy=strategy_spec(_live_strategy(trainer.strategy), trainer.num_devices, trainer.num_nodes),
         tokenizer=hparams.get("tokenizer"),
+        module_class=module_class,
     )
 
 

@@ -63,7 +63,8 @@ class PlanReport:
             "usable_bytes": self.budget.usable,
             "gpu_memory_source": self.budget.source,
             "sequence_length": self.step.max_length,
-            "tokens_per_step": self.step.max_length * self.settings.batch_size,
+            "tokens_per_step": self.step.max_length * self.settings.sequences,
+            "module": self.settings.module_class.rsplit(".", 1)[-1],
             "model": _model_name(self.settings),
             "parameters": self.step.parameters,
             "trainable_parameters": self.step.trainable_parameters,
@@ -93,11 +94,13 @@ class PlanReport:
 
     def to_text(self) -> str:
         memory, settings = self.step.memory, self.settings
+        sequences = settings.sequences
         if settings.padding_free:
-            rows = f"{settings.batch_size} x {self.step.max_length:,} tokens in one padding-free row"
+            rows = f"{sequences} x {self.step.max_length:,} tokens in one padding-free row"
         else:
-            plural = "s" if settings.batch_size > 1 else ""
-            rows = f"{settings.batch_size} row{plural} of {self.step.max_length:,} tokens"
+            rows = f"{sequences} row{'s' if sequences > 1 else ''} of {self.step.max_length:,} tokens"
+        if settings.preference:
+            rows = f"DPO, {settings.batch_size} pair(s) (chosen and rejected sequences): {rows}"
         lines = [
             f"Model: {_model_name(settings)}, {_count(self.step.parameters)} parameters "
             f"({_count(self.step.trainable_parameters)} trainable), {self.step.layers} decoder layers",
@@ -116,7 +119,7 @@ class PlanReport:
         lines.append(f"Peak host memory: {memory.host_peak / GIB:,.2f} GiB" + (f" ({host})" if host else ""))
         lines += ["", self._verdict()]
         if self.suggestion is not None:
-            lines.append(_suggestion_text(self.suggestion, self.budget))
+            lines.append(_suggestion_text(self.suggestion, self.budget, settings))
         if self.search is not None:
             lines.append(_length_text(self.search, settings))
         if self.comparison is not None:
@@ -174,7 +177,7 @@ def _model_name(settings: PlanSettings) -> str:
     return f"config ({module['config'].get('model_type', '?')})"
 
 
-def _suggestion_text(suggestion: dict[str, Any], budget: Budget) -> str:
+def _suggestion_text(suggestion: dict[str, Any], budget: Budget, settings: PlanSettings) -> str:
     peak = suggestion["peak_device_bytes"] / GIB
     if suggestion["fits"]:
         return f"To fit, add: {'; '.join(suggestion['add'])} (peak then {peak:,.2f} GiB)."
@@ -188,10 +191,12 @@ def _suggestion_text(suggestion: dict[str, Any], budget: Budget) -> str:
         "train a LoRA adapter (--model.lora.r=16), keep the weights in bf16 (--model.dtype=bfloat16), or shard them or "
         "keep them in host memory (--trainer.strategy=lit_memtrain.strategies.FSDP2Strategy, cpu_offload: true)"
     )
-    length_options = (
-        "lower data.max_length (--find-max-length gives the longest that fits) or split the sequence across GPUs "
-        "(lit_memtrain.strategies.ContextParallelStrategy; plan it with --context-parallel-size)"
-    )
+    length_options = "lower data.max_length (--find-max-length gives the longest that fits)"
+    if not settings.preference:  # DPOModule refuses context parallelism
+        length_options += (
+            " or split the sequence across GPUs (lit_memtrain.strategies.ContextParallelStrategy; plan it with "
+            "--context-parallel-size)"
+        )
     if fixed > budget.usable:
         return f"{text} They alone do not fit: {state_options}."
     if fixed > budget.usable / 2:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -17,9 +18,21 @@ from lit_memtrain.callbacks.chunked_rms_norm import ChunkedRMSNorm
 from lit_memtrain.callbacks.gradient_checkpointing import GradientCheckpointing
 from lit_memtrain.callbacks.tiled_mlp import TiledMLP
 
-__all__ = ["SIMULATED_CALLBACKS", "CallbackSpec", "PlanSettings", "StrategySpec", "normalise_precision"]
+__all__ = [
+    "CAUSAL_LM_MODULE",
+    "DPO_MODULE",
+    "SIMULATED_CALLBACKS",
+    "CallbackSpec",
+    "PlanSettings",
+    "StrategySpec",
+    "init_parameters",
+    "normalise_precision",
+]
 
 SIMULATED_CALLBACKS = (GradientCheckpointing, TiledMLP, ActivationOffloading, ChunkedRMSNorm)
+# The modules whose training step a plan simulates: SFT (cross-entropy) and DPO (a pair's two sequences per step).
+CAUSAL_LM_MODULE = "lit_memtrain.module.CausalLMModule"
+DPO_MODULE = "lit_memtrain.dpo.DPOModule"
 
 _PRECISIONS = {
     "32": "32-true", "32-true": "32-true", "64": "64-true", "64-true": "64-true",
@@ -43,6 +56,20 @@ def normalise_precision(precision: str | int | None) -> str:
             f"{sorted(set(_PRECISIONS.values()))} (and Lightning's short forms such as 'bf16' and 16)."
         )
     return _PRECISIONS[name]
+
+
+def init_parameters(cls: type) -> set[str]:
+    """The ``__init__`` arguments of ``cls`` by name, with those of the classes it passes ``**kwargs`` on to (a
+    :class:`~lit_memtrain.dpo.DPOModule` takes every :class:`~lit_memtrain.module.CausalLMModule` argument)."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        parameters = list(inspect.signature(klass.__init__).parameters.values())[1:]  # after self
+        names |= {p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+        if not any(p.kind is p.VAR_KEYWORD for p in parameters):
+            break
+    return names
 
 
 @dataclass(frozen=True)
@@ -141,6 +168,9 @@ class PlanSettings:
         accumulate_grad_batches: micro-batches per optimizer step.
         strategy: the distributed strategy.
         tokenizer: the tokenizer a preset model takes its vocabulary from.
+        module_class: :data:`CAUSAL_LM_MODULE` (an SFT step: ``batch_size`` rows) or :data:`DPO_MODULE` (a DPO
+            step: ``batch_size`` pairs, so ``2 x batch_size`` sequences of up to ``max_length`` tokens each, and
+            ``module`` also holds ``beta``, ``preference_loss`` and ``reference``).
     """
 
     module: dict[str, Any]
@@ -152,8 +182,21 @@ class PlanSettings:
     accumulate_grad_batches: int = 1
     strategy: StrategySpec = StrategySpec()
     tokenizer: str | None = None
+    module_class: str = CAUSAL_LM_MODULE
 
     def __post_init__(self) -> None:
+        if self.module_class not in (CAUSAL_LM_MODULE, DPO_MODULE):
+            raise ValueError(
+                f"The planner simulates the steps of {CAUSAL_LM_MODULE} and {DPO_MODULE}, got module_class="
+                f"{self.module_class!r}."
+            )
+        if self.preference and self.strategy.context_parallel_size > 1:
+            raise ValueError(
+                f"DPOModule does not support context parallelism (context_parallel_size="
+                f"{self.strategy.context_parallel_size}): a pair's log-probabilities are sums over whole sequences, "
+                "which sequence shards do not hold. Plan it without context parallelism (FSDP2Strategy, no "
+                "--context-parallel-size), with cpu_offload, checkpointing and tiled MLP for long pairs."
+            )
         if not any(self.module.get(name) for name in ("model", "preset", "config")):
             raise ValueError(
                 "The configuration has no model: set model.model (a hub id or a local directory with config.json), "
@@ -169,9 +212,19 @@ class PlanSettings:
         normalise_precision(self.precision)
 
     @property
+    def preference(self) -> bool:
+        """Whether the step is DPO's: each of the ``batch_size`` pairs is two sequences (chosen and rejected)."""
+        return self.module_class == DPO_MODULE
+
+    @property
+    def sequences(self) -> int:
+        """Sequences of one micro-batch: ``batch_size`` rows, or two per pair for DPO."""
+        return 2 * self.batch_size if self.preference else self.batch_size
+
+    @property
     def tokens_per_step(self) -> int:
         """Tokens of one micro-batch (what one forward and backward hold)."""
-        return self.max_length * self.batch_size
+        return self.max_length * self.sequences
 
     def callback(self, kind: type) -> CallbackSpec | None:
         """The first configured callback that is a ``kind`` (a class or a subclass of it)."""

@@ -25,6 +25,11 @@ What differs from a GPU run, on purpose:
 - AdamW is fused, as ``configure_optimizers`` chooses on CUDA (the stand-in device is not CUDA).
 - Rows are full (``max_length`` tokens, every target trainable) and passed without ``position_ids`` (one
   document per row; transformers builds the same positions itself).
+- A :class:`~lit_memtrain.dpo.DPOModule` step is its ``pair_loss`` (what its ``training_step`` returns): the
+  policy over the ``2 x batch_size`` sequences of the pairs (chosen and rejected, each ``max_length`` tokens;
+  padding-free, all of them in one row), the completion log-probabilities, and the reference's: read from the
+  batch when precomputed (the pass before training runs without gradients and is not simulated, like validation),
+  or the same model's forward without gradients and with the adapter disabled (``adapter_disabled``, LoRA).
 - Under DDP every rank holds the whole model, plus one more copy of the gradients in DDP's communication
   buckets (Lightning's default ``gradient_as_bucket_view=False``), added as gradients.
 """
@@ -32,7 +37,6 @@ What differs from a GPU run, on purpose:
 from __future__ import annotations
 
 import contextlib
-import inspect
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -46,7 +50,7 @@ from lit_memtrain.layers import find_decoder_layers
 from lit_memtrain.lora import LoraSettings, apply_lora
 from lit_memtrain.model_builder import DTYPES, ModelRecipe, causal_lm_config
 from lit_memtrain.planner.per_rank import check_strategy, device_mesh, flash_sdpa, set_up_rank, shard_model
-from lit_memtrain.planner.settings import SIMULATED_CALLBACKS, PlanSettings
+from lit_memtrain.planner.settings import SIMULATED_CALLBACKS, PlanSettings, init_parameters
 from lit_memtrain.planner.simulate import (
     STAND_IN_DEVICE,
     MemoryReport,
@@ -103,13 +107,12 @@ def simulate_fit_step(settings: PlanSettings, max_length: int | None = None) -> 
     Raises:
         ValueError: what cannot be simulated (QLoRA, a model whose config cannot be read), with what to do.
     """
-    from lit_memtrain.module import CausalLMModule
-
     max_length = settings.max_length if max_length is None else max_length
     if max_length < 1:
         raise ValueError(f"max_length must be at least 1 token, got {max_length}.")
     notes: list[str] = []
-    module = CausalLMModule(**_module_arguments(settings.module, CausalLMModule))
+    module_class = _resolve_module_class(settings.module_class)
+    module = module_class(**_module_arguments(settings.module, module_class))
     model_config = _model_config(module.recipe, settings, notes)
     build_dtype = _build_dtype(module.recipe, model_config)
     convert_dtype = _TRUE_PRECISION_DTYPES.get(settings.precision)
@@ -140,7 +143,8 @@ def simulate_fit_step(settings: PlanSettings, max_length: int | None = None) -> 
                 for callback in callbacks:
                     callback.on_fit_start(trainer, module)
             optimizer = _steady_state_optimizer(module)
-            rank = set_up_rank(module.model, mesh, strategy, _batch(settings, max_length))
+            batch = _batch(settings, max_length, getattr(module, "reference_mode", None))
+            rank = set_up_rank(module.model, mesh, strategy, batch)
             module._isolation_proven_for = module.model.config._attn_implementation  # a probe of values
             notes += rank.notes
             buckets = _ddp_buckets(module, settings, notes)
@@ -149,7 +153,7 @@ def simulate_fit_step(settings: PlanSettings, max_length: int | None = None) -> 
                     lambda: _lightning_step(module, optimizer, rank.batch, callbacks, settings),
                     module,
                     optimizer,
-                    *rank.batch.values(),
+                    *(value for value in rank.batch.values() if isinstance(value, Tensor)),
                     labelled=[(bucket, "gradients") for bucket in buckets],
                     model=module.model,
                 )
@@ -160,6 +164,8 @@ def simulate_fit_step(settings: PlanSettings, max_length: int | None = None) -> 
                 callback.teardown(trainer, module, "fit")
             module.trainer = None
     notes += _attention_notes(settings, max_length, model_config.num_attention_heads)
+    if settings.preference:
+        notes.append(_reference_note(module.reference_mode))
     parameters = sum(param.numel() for param in module.model.parameters())
     trainable = sum(param.numel() for param in module.model.parameters() if param.requires_grad)
     return StepSimulation(
@@ -172,13 +178,35 @@ def simulate_fit_step(settings: PlanSettings, max_length: int | None = None) -> 
     )
 
 
+def _resolve_module_class(class_path: str) -> type:
+    """:class:`~lit_memtrain.module.CausalLMModule` or :class:`~lit_memtrain.dpo.DPOModule` (the settings checked
+    that the path names one of them)."""
+    import importlib
+
+    module_name, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module_name), name)
+
+
+def _reference_note(reference_mode: str) -> str:
+    if reference_mode == "adapter_disabled":
+        return (
+            "DPO, reference='adapter_disabled': each step also runs the model without gradients and with the LoRA "
+            "adapter disabled over the same sequences (included)."
+        )
+    return (
+        "DPO, reference='precomputed': each step reads the reference log-probabilities from the batch; the pass that "
+        "computes them before training (without gradients, in batches of val_batch_size pairs) is not simulated, like "
+        "validation."
+    )
+
+
 def _module_arguments(arguments: dict[str, Any], module_class: type) -> dict[str, Any]:
     """The module's own arguments, with what would load files or need a GPU taken out.
 
     The tokenizer is only needed for a preset's vocabulary (read in :func:`_model_config`); the attention
     implementation is replaced by the simulated kernel, so flash-attn need not be installed to plan for it.
     """
-    accepted = set(inspect.signature(module_class.__init__).parameters) - {"self"}
+    accepted = init_parameters(module_class)
     values = {name: value for name, value in arguments.items() if name in accepted}
     lora = values.get("lora")
     if isinstance(lora, dict):
@@ -260,15 +288,30 @@ def _steady_state_optimizer(module: Any) -> torch.optim.Optimizer:
     return optimizer
 
 
-def _batch(settings: PlanSettings, max_length: int) -> dict[str, Tensor]:
+def _batch(settings: PlanSettings, max_length: int, reference_mode: str | None = None) -> dict[str, Any]:
     """The whole micro-batch: fake tensors on the stand-in device, or real CPU tensors when a context-parallel
-    rank's shard is cut from it (``set_up_rank`` runs the real ``shard_batch``, which reads values)."""
-    shape = (1, settings.batch_size * max_length) if settings.padding_free else (settings.batch_size, max_length)
-    if settings.strategy.context_parallel_size == 1:
-        device = stand_in_device()
-        return {key: torch.zeros(shape, dtype=torch.long, device=device) for key in ("input_ids", "labels")}
-    with unset_fake_temporarily():
-        return {key: torch.zeros(shape, dtype=torch.long) for key in ("input_ids", "labels")}
+    rank's shard is cut from it (``set_up_rank`` runs the real ``shard_batch``, which reads values).
+
+    A DPO batch (:class:`~lit_memtrain.datamodules.preference_collate.PreferenceCollator`'s keys) has the pairs'
+    ``2 x batch_size`` sequences, which sequence each token belongs to, and the reference log-probabilities when
+    the module's ``reference_mode`` reads them from the batch (``precomputed``).
+    """
+    sequences = settings.sequences
+    shape = (1, sequences * max_length) if settings.padding_free else (sequences, max_length)
+    keys = ("input_ids", "labels", "sequence_ids") if settings.preference else ("input_ids", "labels")
+    if settings.strategy.context_parallel_size > 1:  # never DPO: its settings refuse context parallelism
+        with unset_fake_temporarily():
+            return {key: torch.zeros(shape, dtype=torch.long) for key in keys}
+    device = stand_in_device()
+    batch: dict[str, Any] = {key: torch.zeros(shape, dtype=torch.long, device=device) for key in keys}
+    if settings.preference:
+        from lit_memtrain.datamodules.preference_collate import REFERENCE_COLUMNS
+
+        batch["num_pairs"] = settings.batch_size
+        if reference_mode == "precomputed":
+            batch.update({name: torch.zeros(settings.batch_size, device=device) for name in REFERENCE_COLUMNS})
+    return batch
+
 
 
 def _ddp_buckets(module: Any, settings: PlanSettings, notes: list[str]) -> list[Tensor]:
@@ -295,7 +338,7 @@ def _lightning_step(
     for callback in callbacks:
         callback.on_train_batch_start(trainer, module, batch, 0)
     with _precision_context(settings.precision):
-        loss = module.compute_loss(batch)
+        loss = module.pair_loss(batch)[0] if settings.preference else module.compute_loss(batch)
     if settings.accumulate_grad_batches == 1:
         optimizer.zero_grad(set_to_none=True)
     loss.backward()
@@ -324,8 +367,8 @@ def _precision_context(precision: str) -> Iterator[None]:
 def _attention_notes(settings: PlanSettings, max_length: int, heads: int) -> list[str]:
     """What the configured attention would add to the simulated O(L) kernel, at ``max_length``."""
     name = settings.module.get("attn_implementation") or "sdpa"
-    row = settings.batch_size * max_length if settings.padding_free else max_length
-    rows = 1 if settings.padding_free else settings.batch_size
+    row = settings.sequences * max_length if settings.padding_free else max_length
+    rows = 1 if settings.padding_free else settings.sequences
     square = rows * row * row
     if name == "eager":
         return [

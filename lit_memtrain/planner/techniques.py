@@ -134,6 +134,7 @@ def comparison_rows(settings: PlanSettings) -> list[tuple[str, Techniques | None
          "needs --trainer.strategy=lit_memtrain.strategies.FSDP2Strategy (cpu_offload: true)"),
         ("+ context parallel", dataclasses.replace(offloaded_state, context_parallel_size=cp),
          f"{cp} ranks per sequence, {strategy.context_parallel_method}") if cp > 1 else
+        ("+ context parallel", None, "DPOModule does not support context parallelism") if settings.preference else
         ("+ context parallel", None,
          "needs lit_memtrain.strategies.ContextParallelStrategy or --context-parallel-size"),
     ]  # fmt: skip

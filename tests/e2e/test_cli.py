@@ -4,18 +4,22 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import wandb
 from transformers import AutoModelForCausalLM
 
 from lit_memtrain.cli import MemTrainCLI, main
+from lit_memtrain.datamodules.embedded import write_embedded_preferences
+from lit_memtrain.datamodules.preference import PreferenceDataModule
 from lit_memtrain.datamodules.sft import SFTDataModule
 from lit_memtrain.module import CausalLMModule
 from lit_memtrain.strategies import FSDP2Strategy
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
+DPO_CONFIG = str(ROOT / "configs" / "dpo.yaml")
 
 
 def test_twenty_step_fit_through_the_cli(tmp_path, capsys):
@@ -85,6 +89,38 @@ def test_lengths_profiles_a_sample_of_a_stream(tmp_path, capsys):
     histogram = tmp_path / "lengths.png"
     main(["lengths", "--config", QUICKSTART, "--data.streaming=true", "--sample=300", f"--histogram={histogram}"])
     assert re.search(r"^300 examples, ", capsys.readouterr().out, re.MULTILINE)
+
+
+def test_lengths_profiles_the_sequences_of_preference_pairs_as_training_builds_them(tmp_path, capsys):
+    """configs/dpo.yaml: each pair's prompt + chosen and prompt + rejected sequence, prompts cut to
+    max_prompt_length as training cuts them, against the sequences the collator puts in a padding-free row."""
+    data = write_embedded_preferences(tmp_path / "pairs.jsonl", num_examples=40)
+    histogram = tmp_path / "lengths.png"
+    main(["lengths", "--config", DPO_CONFIG, f"--data.dataset={data}", "--data.max_prompt_length=12",
+          "--candidates=[16, 32]", f"--histogram={histogram}"])  # fmt: skip
+    out = capsys.readouterr().out
+
+    trained = PreferenceDataModule(dataset=str(data), max_length=4096, max_prompt_length=12)  # no sequence is cut
+    trained.setup("fit")
+    row = trained.collator()(list(trained.train_dataset))
+    lengths = np.diff(row["cu_seq_lens_q"].numpy())
+    assert len(lengths) == 80
+    total, over_16 = int(lengths.sum()), int(np.maximum(lengths - 16, 0).sum())
+    assert f"80 examples, {total:,} tokens" in out
+    assert re.search(rf"^\s+16\s+{100 * over_16 / total:.2f}%", out, re.MULTILINE), out
+    prompts = trained.token_counts["train"]  # the pairs' tokens as read, and the prompt tokens cut
+    assert prompts.truncated_tokens > 0
+    assert f"max_prompt_length=12 as in training: {prompts.truncated_tokens:,} of {prompts.tokens:,} tokens" in out
+    assert "padded batches: 32 examples each" in out and "a batch of 16 pairs is 32 sequences" in out
+    assert "waste packed" not in out and "configured max_length 64: cuts 0.00% of tokens" in out
+    assert histogram.stat().st_size > 0
+
+
+def test_lengths_refuses_data_it_cannot_profile(capsys):
+    with pytest.raises(SystemExit):
+        main(["lengths", "--config", DPO_CONFIG, "--data.class_path=lightning.pytorch.demos.boring_classes.BoringDataModule"])
+    err = capsys.readouterr().err
+    assert "data.class_path is 'lightning.pytorch.demos.boring_classes.BoringDataModule': lit-memtrain lengths profiles" in err
 
 
 OFFLINE_MODEL = ["--model.model=null", "--model.preset=tiny-qwen3", "--data.tokenizer=lit-memtrain/embedded"]

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from lightning.pytorch import Trainer
 
 from lit_memtrain.callbacks import ActivationOffloading, GradientCheckpointing, TiledMLP
-from lit_memtrain.planner.fit_config import read_fit_config, strategy_spec
-from lit_memtrain.planner.settings import PlanSettings, normalise_precision
+from lit_memtrain.datamodules.preference import PreferenceDataModule
+from lit_memtrain.datamodules.sft import SFTDataModule
+from lit_memtrain.dpo import DPOModule
+from lit_memtrain.module import CausalLMModule
+from lit_memtrain.planner.fit_config import read_fit_config, settings_from_trainer, strategy_spec
+from lit_memtrain.planner.settings import DPO_MODULE, PlanSettings, normalise_precision
 from lit_memtrain.planner.techniques import Techniques, techniques_of, with_techniques
 
 
@@ -81,3 +88,38 @@ def test_precisions():
 def test_settings_refuse_what_cannot_be_planned(changes, message):
     with pytest.raises(ValueError, match=message):
         PlanSettings(**{"module": {"preset": "tiny-qwen3"}, **changes})
+
+
+def test_the_dpo_config_is_read_as_fit_reads_it():
+    settings = read_fit_config(["--config", "configs/dpo.yaml", "--model.beta=0.3"])
+    assert settings.module_class == DPO_MODULE and settings.preference
+    assert settings.module["beta"] == 0.3 and settings.module["reference"] == "precomputed"
+    assert (settings.max_length, settings.batch_size, settings.sequences, settings.padding_free) == (64, 16, 32, True)
+    assert settings.tokens_per_step == 32 * 64 and settings.tokenizer == "lit-memtrain/embedded"
+    assert PlanSettings.from_dict(settings.to_dict()) == settings
+
+
+class _OwnLoss(CausalLMModule):
+    def compute_loss(self, batch, num_items=None):
+        return 2 * super().compute_loss(batch, num_items)
+
+
+class _Logged(DPOModule):
+    """Adds an argument, keeps DPOModule's step."""
+
+    def __init__(self, note: str = "", **kwargs) -> None:
+        super().__init__(**kwargs)
+
+
+def test_a_live_fit_is_planned_by_its_module_class_and_unknown_steps_are_refused():
+    """What MemoryPlanCheck reads: a DPO fit plans pairs, a subclass that keeps the step plans as its base."""
+    trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    pairs = PreferenceDataModule(max_length=128, batch_size=4)
+    settings = settings_from_trainer(trainer, _Logged(note="x", preset="tiny-qwen3", beta=0.2), pairs)
+    assert settings.module_class == DPO_MODULE and settings.module["beta"] == 0.2 and "note" not in settings.module
+    assert settings.sequences == 8 and settings.padding_free
+    json.dumps(settings.to_dict())  # what MemoryPlanCheck hands the planner's process
+    with pytest.raises(ValueError, match="A DPO step is planned from the pairs of lit_memtrain.datamodules.preference"):
+        settings_from_trainer(trainer, DPOModule(preset="tiny-qwen3"), SFTDataModule(max_length=128))
+    with pytest.raises(ValueError, match="which overrides compute_loss of CausalLMModule: the planner simulates"):
+        settings_from_trainer(trainer, _OwnLoss(preset="tiny-qwen3"), SFTDataModule(max_length=128))
