@@ -539,10 +539,12 @@ class CausalLMModule(LightningModule):
 
     def _tokens_seen_metric(self) -> Tensor:
         """``train/tokens`` as a metric: float64 (exact to 2**53 tokens, where float32 rounds past 2**24, a count
-        a multi-rank run passes in minutes) on every device that has it, kept on the device (no sync)."""
-        dtype = torch.float32 if self.device.type == "mps" else torch.float64
+        a multi-rank run passes in minutes) where the device has it; a count kept on the device stays there (no
+        sync), one kept in Python becomes a host tensor."""
         seen = self._tokens_seen
-        return seen.to(dtype) if isinstance(seen, Tensor) else torch.tensor(seen, dtype=dtype, device=self.device)
+        if not isinstance(seen, Tensor):
+            return torch.tensor(seen, dtype=torch.float64)
+        return seen.to(torch.float32 if seen.device.type == "mps" else torch.float64)
 
     def _micro_batch_mean(self, loss_sum: Tensor, targets: Tensor) -> Tensor:
         """The micro-batch's mean token loss; over the whole rows when each rank of a context-parallel group
