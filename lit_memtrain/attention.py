@@ -254,12 +254,21 @@ def _causal_over_whole_rows(attention_mask: Tensor | None, kwargs: dict[str, Any
     )
 
 
+FLASH_ATTN_MAX_HEAD_DIM = 256  # flash-attn 2's kernels stop at head dimension 256
+
+
+def attention_head_dim(config: Any) -> int:
+    """The head dimension of a transformers config: ``head_dim`` where the model sets it, else hidden / heads."""
+    head_dim = getattr(config, "head_dim", None)
+    return int(head_dim) if head_dim else config.hidden_size // config.num_attention_heads
+
+
 def choose_document_attention(model: torch.nn.Module, device: torch.device, half_precision: bool) -> str:
     """The fastest attention implementation that keeps packed documents apart for ``model`` on ``device``.
 
     On CUDA: flash-attn's varlen kernel (``flash_attention_2``, reading the collator's ``cu_seq_lens``) when the
-    package is installed, the model supports it and attention runs in fp16/bf16 (``half_precision``: half
-    weights or mixed precision; flash-attn refuses fp32), else :func:`varlen_by_document` (torch's
+    package is installed, the model supports it, its heads have at most 256 dimensions and attention runs in
+    fp16/bf16 (``half_precision``: half weights or mixed precision; flash-attn refuses fp32), else :func:`varlen_by_document` (torch's
     ``varlen_attn``, which itself falls back to per-document SDPA for fp32) when this torch has it; elsewhere
     (and as the fallback) ``sdpa_by_document``. A model without SDPA support (Gemma 2's attention softcap,
     GPT-OSS's sinks) keeps ``eager``, which transformers splits by document. Implementations other than
@@ -269,7 +278,8 @@ def choose_document_attention(model: torch.nn.Module, device: torch.device, half
         return "eager"
     if device.type == "cuda":
         flash_attn = importlib.util.find_spec("flash_attn") is not None
-        if half_precision and flash_attn and getattr(model, "_supports_flash_attn", False):
+        fits_flash = attention_head_dim(model.config) <= FLASH_ATTN_MAX_HEAD_DIM
+        if half_precision and flash_attn and fits_flash and getattr(model, "_supports_flash_attn", False):
             return "flash_attention_2"
         if _VARLEN_KERNEL is not None:
             return VARLEN_BY_DOCUMENT

@@ -311,6 +311,9 @@ def test_the_default_attention_is_the_fastest_that_keeps_documents_apart_on_the_
     assert attention.choose_document_attention(model, torch.device("cpu"), half_precision=True) == SDPA_BY_DOCUMENT
     gemma2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gemma2", **SMALL))  # attention softcap: no sdpa
     assert attention.choose_document_attention(gemma2, torch.device("cuda"), half_precision=True) == "eager"
+    wide = build_model("sdpa")
+    wide.config.head_dim = 320  # past flash-attn's 256: the next kernel, not a crash at the first step
+    assert attention.choose_document_attention(wide, torch.device("cuda"), half_precision=True) == fp32
 
 
 def test_a_module_that_names_no_attention_gets_sdpa_by_document_on_cpu_chosen_once_and_logged(caplog) -> None:

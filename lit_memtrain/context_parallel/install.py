@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from lit_memtrain.attention import SDPA_BY_DOCUMENT
+from lit_memtrain.attention import FLASH_ATTN_MAX_HEAD_DIM, SDPA_BY_DOCUMENT, attention_head_dim
 from lit_memtrain.context_parallel.ring_attention import AttentionBlock, attention_blocks, gathered_kv_attention
 from lit_memtrain.context_parallel.sharding import ShardLayout
 from lit_memtrain.context_parallel.torch_ring import torch_ring_sdpa
@@ -229,6 +229,12 @@ def install_attention(
     check_context_parallel(model.config, dist.get_world_size(group), method)
     if inner not in INNER_ATTENTIONS:
         raise ValueError(f"inner must be one of {sorted(INNER_ATTENTIONS)}, got {inner!r}.")
+    head_dim = attention_head_dim(model.config)
+    if method == "ulysses" and inner == "flash_attention_2" and head_dim > FLASH_ATTN_MAX_HEAD_DIM:
+        raise ValueError(
+            f"inner='flash_attention_2' cannot run {type(model).__name__}: its attention heads have {head_dim} "
+            f"dimensions and flash-attn's kernels stop at {FLASH_ATTN_MAX_HEAD_DIM}; use inner={SDPA_BY_DOCUMENT!r}."
+        )
     if method == "ulysses" and inner == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         raise ValueError(
             f"inner='flash_attention_2' needs the flash-attn package (CUDA), which is not installed: pip install "

@@ -180,6 +180,8 @@ def misuse(group: dist.ProcessGroup) -> dict[str, str]:
     errors["uninstalled"] = model.config._attn_implementation
     bad = build_model(Case("bad", "ulysses", (16,), overrides={"num_attention_heads": 3, "num_key_value_heads": 1}))
     errors["heads"] = _error(lambda: install_attention(bad, group, "ulysses"))
+    wide = build_model(Case("wide", "ulysses", (16,), overrides={"head_dim": 320}))
+    errors["flash_head_dim"] = _error(lambda: install_attention(wide, group, "ulysses", inner="flash_attention_2"))
     return errors
 
 

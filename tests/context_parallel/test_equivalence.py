@@ -77,6 +77,10 @@ def test_misuse_raises_clear_errors_before_any_exchange(results) -> None:
     assert errors["heads"].startswith("ValueError: method='ulysses' with context_parallel_size=2 needs")
     assert "Sizes that work for this model: [1, 3]" in errors["heads"]
     assert "flash-attn package" in errors["flash_missing"]
+    assert errors["flash_head_dim"] == (
+        "ValueError: inner='flash_attention_2' cannot run Qwen3ForCausalLM: its attention heads have 320 dimensions "
+        "and flash-attn's kernels stop at 256; use inner='sdpa_by_document'."
+    )
     assert errors["before_set_layout"].startswith("RuntimeError: Context-parallel attention ran before set_layout")
     assert "sharded for method='ring'" in errors["ring_layout"]
     assert "inner attention 'sdpa' is one causal call over the row, but this row holds 2 segments" in errors["sdpa_packed"]
