@@ -235,6 +235,7 @@ def test_ddp_ranks_with_different_token_counts_train_on_the_global_mean(tmp_path
     trainer.fit(module)
     for name, p in module.named_parameters():
         torch.testing.assert_close(before[name] - p.detach(), dict(reference.named_parameters())[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert float(trainer.callback_metrics["train/tokens"]) == 5 + 3  # both ranks' tokens, not rank 0's 5
 
 
 def test_resumed_runs_keep_their_token_count_and_losses(tmp_path):
