@@ -268,8 +268,9 @@ def choose_document_attention(model: torch.nn.Module, device: torch.device, half
 
     On CUDA: flash-attn's varlen kernel (``flash_attention_2``, reading the collator's ``cu_seq_lens``) when the
     package is installed, the model supports it, its heads have at most 256 dimensions and attention runs in
-    fp16/bf16 (``half_precision``: half weights or mixed precision; flash-attn refuses fp32), else :func:`varlen_by_document` (torch's
-    ``varlen_attn``, which itself falls back to per-document SDPA for fp32) when this torch has it; elsewhere
+    fp16/bf16 (``half_precision``: half weights or mixed precision; flash-attn refuses fp32), else
+    :func:`varlen_by_document` (torch's ``varlen_attn``, which itself falls back to per-document SDPA for fp32)
+    when this torch has it; elsewhere
     (and as the fallback) ``sdpa_by_document``. A model without SDPA support (Gemma 2's attention softcap,
     GPT-OSS's sinks) keeps ``eager``, which transformers splits by document. Implementations other than
     ``sdpa_by_document`` and ``eager`` are checked by the module's packed-row probe.

@@ -268,7 +268,9 @@ def test_the_logged_token_count_stays_exact_past_float32_integers(tmp_path):
     module = _module(tokenizer="lit-memtrain/embedded")
     module.train_tokens_seen = 2**24 + 1
     record = RecordTokens()
-    trainer = Trainer(max_steps=3, logger=False, enable_progress_bar=False, callbacks=[record], default_root_dir=tmp_path)
+    trainer = Trainer(
+        max_steps=3, logger=False, enable_progress_bar=False, callbacks=[record], default_root_dir=tmp_path
+    )
     trainer.fit(module, datamodule=SFTDataModule(max_length=32, batch_size=2))
     assert len(record.logged) == 3 and all(seen > 2**24 + 1 for _, seen in record.logged)
     assert [logged for logged, _ in record.logged] == [float(seen) for _, seen in record.logged]

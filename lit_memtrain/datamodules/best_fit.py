@@ -118,7 +118,8 @@ def _place_by_size(counts: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
                 enqueue(free - per_row * size, ranges, rows)
             else:  # the last row took fewer items: it keeps more free space
                 start, stop = ranges[-1]
-                enqueue(free - per_row * size, [*ranges[:-1], (start, stop - 1)] if stop - 1 > start else ranges[:-1], full)
+                full_ranges = ranges[:-1] + ([(start, stop - 1)] if stop - 1 > start else [])
+                enqueue(free - per_row * size, full_ranges, full)
                 enqueue(free - (placed - full * per_row) * size, [(stop - 1, stop)], 1)
     return _rows_of_items(steps), num_rows
 

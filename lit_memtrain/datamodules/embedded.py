@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 import string
+from collections.abc import Iterable
 from pathlib import Path
 
 EMBEDDED = "lit-memtrain/embedded"
@@ -87,23 +88,22 @@ def make_preference(rng: random.Random) -> dict[str, list[dict[str, str]]]:
 def write_embedded_preferences(path: Path, num_examples: int = 2000, seed: int = 1) -> Path:
     """Write ``num_examples`` preference pairs as JSON lines (``prompt``, ``chosen``, ``rejected`` per line)."""
     rng = random.Random(seed)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    with tmp.open("w") as f:
-        for _ in range(num_examples):
-            f.write(json.dumps(make_preference(rng)) + "\n")
-    tmp.replace(path)
-    return path
+    return _write_json_lines(path, (make_preference(rng) for _ in range(num_examples)))
 
 
 def write_embedded_dataset(path: Path, num_examples: int = 6000, seed: int = 0) -> Path:
     """Write ``num_examples`` conversations as JSON lines (one ``messages`` list per line)."""
     rng = random.Random(seed)
+    return _write_json_lines(path, ({"messages": make_conversation(rng)} for _ in range(num_examples)))
+
+
+def _write_json_lines(path: Path, rows: Iterable[dict]) -> Path:
+    """Write ``rows`` to ``path`` as JSON lines, through a temporary file: a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     with tmp.open("w") as f:
-        for _ in range(num_examples):
-            f.write(json.dumps({"messages": make_conversation(rng)}) + "\n")
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
     tmp.replace(path)
     return path
 
