@@ -20,7 +20,11 @@ Strategies (the contract of ``trl.pack_dataset``):
 
 Nothing needs numba: the first call in a process is about as fast as the next (numba's start-up took
 longer than the whole pack). The copy loop is compiled by llvmlite, imported only when a column is
-copied, in milliseconds: the module, loss and callbacks run where llvmlite is not installed.
+copied, in milliseconds: the module, loss and callbacks run where llvmlite is not installed. What a
+first call pays more than a later one is hidden or avoided: the output buffers are allocated before
+the plan, so that another core maps their fresh pages while the plan is made (``CopyPreparation``);
+the plan keeps the segments in dataset order, the order the copy reads them, so nothing is permuted
+twice; and the garbage collector is paused while a table is packed.
 
 Usage::
 
@@ -32,9 +36,13 @@ Usage::
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import pairwise
 from typing import TYPE_CHECKING
 
@@ -54,37 +62,71 @@ STRATEGIES: tuple[str, ...] = ("bfd", "bfd_split", "wrapped")
 class PackingPlan:
     """Which token slices of which examples make up each packed row, in order.
 
-    Segment ``i`` is tokens ``start[i]:stop[i]`` of example ``example[i]``; row ``r`` is the
-    concatenation of segments ``row_offsets[r]:row_offsets[r + 1]``. Rows come in the order they
-    were opened, segments within a row in the order they were placed. ``source_order`` lists the
-    segments in dataset order (by example, then start), the order in which copying them reads
-    the source sequentially.
+    The segments are listed in dataset order (by example, then start), the order in which copying them
+    reads the source sequentially: segment ``i`` is tokens ``segment_start[i]:segment_stop[i]`` of example
+    ``segment_example[i]``. ``order`` lists the segments row by row: row ``r`` is the concatenation of
+    segments ``order[row_offsets[r]:row_offsets[r + 1]]``. Rows come in the order they were opened,
+    segments within a row in the order they were placed. ``example``, ``start``, ``stop`` and
+    ``segment_lengths`` describe the segments in that row order.
     """
 
-    example: np.ndarray
-    start: np.ndarray
-    stop: np.ndarray
+    segment_example: np.ndarray
+    segment_start: np.ndarray
+    segment_stop: np.ndarray
+    order: np.ndarray
     row_offsets: np.ndarray
     max_length: int
     strategy: str
-    source_order: np.ndarray
 
     @property
     def num_rows(self) -> int:
         return len(self.row_offsets) - 1
 
-    @property
+    @cached_property
+    def example(self) -> np.ndarray:
+        return self.segment_example[self.order]
+
+    @cached_property
+    def start(self) -> np.ndarray:
+        return self.segment_start[self.order]
+
+    @cached_property
+    def stop(self) -> np.ndarray:
+        return self.segment_stop[self.order]
+
+    @cached_property
     def segment_lengths(self) -> np.ndarray:
-        return self.stop - self.start
+        """Tokens in each segment, in row order."""
+        return (self.segment_stop - self.segment_start)[self.order]
+
+    @cached_property
+    def source_order(self) -> np.ndarray:
+        """Where each segment of the dataset order stands in the row order (the inverse of ``order``)."""
+        source_order = np.empty_like(self.order)
+        source_order[self.order] = np.arange(len(self.order))
+        return source_order
+
+    @cached_property
+    def token_offsets(self) -> np.ndarray:
+        """Where each segment, in row order, starts in the concatenated rows; the token count last."""
+        offsets = np.zeros(len(self.order) + 1, dtype=np.int64)
+        np.cumsum(self.segment_lengths, out=offsets[1:])
+        return offsets
+
+    @cached_property
+    def destination_starts(self) -> np.ndarray:
+        """Where each segment, in dataset order, starts in the concatenated rows."""
+        starts = np.empty(len(self.order), dtype=np.int64)
+        starts[self.order] = self.token_offsets[:-1]
+        return starts
 
     @property
     def row_lengths(self) -> np.ndarray:
-        token_ends = np.concatenate(([0], np.cumsum(self.segment_lengths)))
-        return np.diff(token_ends[self.row_offsets])
+        return np.diff(self.token_offsets[self.row_offsets])
 
     @property
     def num_tokens(self) -> int:
-        return int(self.segment_lengths.sum())
+        return int(self.token_offsets[-1])
 
     @property
     def fill(self) -> float:
@@ -102,22 +144,41 @@ def plan_packing(lengths: np.ndarray, max_length: int, strategy: str = "bfd") ->
     lengths = _check_lengths(lengths)
     _check_max_length(max_length)
     _check_strategy(strategy)
-    if strategy == "wrapped":
-        return _plan_wrapped(lengths, max_length)
-    kept = np.flatnonzero(lengths)
-    if strategy == "bfd":
-        example, start = kept, np.zeros(len(kept), dtype=np.int64)
-        stop = np.minimum(lengths[kept], max_length)
-    else:
-        example, start, stop = _split_into_chunks(kept, lengths[kept], max_length)
-    from lit_memtrain.datamodules.best_fit import best_fit_decreasing
+    return _place_segments(_cut_segments(lengths, max_length, strategy), max_length, strategy)
 
-    order, row_offsets = best_fit_decreasing(stop - start, max_length)
-    source_order = np.empty_like(order)
-    source_order[order] = np.arange(len(order))
-    return PackingPlan(
-        example[order], start[order], stop[order], row_offsets, max_length, strategy, source_order
-    )
+
+Segments = tuple[np.ndarray, np.ndarray, np.ndarray]  # example, start, stop of each token slice, in dataset order
+
+
+def _cut_segments(lengths: np.ndarray, max_length: int, strategy: str) -> Segments:
+    """The token slices that the strategy packs, in dataset order (empty examples left out): each example
+    cut to ``max_length`` (``"bfd"``), cut into chunks of ``max_length`` (``"bfd_split"``), or cut where the
+    blocks of the concatenation end (``"wrapped"``)."""
+    if lengths.all():  # no empty example: no copy
+        kept = np.arange(len(lengths))
+    else:
+        kept = np.flatnonzero(lengths)
+        lengths = lengths[kept]
+    if strategy == "bfd":
+        return kept, np.zeros(len(kept), dtype=np.int64), np.minimum(lengths, max_length)
+    if strategy == "bfd_split":
+        return _split_into_chunks(kept, lengths, max_length)
+    return _cut_at_block_ends(kept, lengths, max_length)
+
+
+def _place_segments(segments: Segments, max_length: int, strategy: str) -> PackingPlan:
+    """Rows of the segments: Best-Fit Decreasing, or, for ``"wrapped"``, each block of the concatenation."""
+    example, start, stop = segments
+    if strategy == "wrapped":
+        token_starts = np.cumsum(stop - start) - (stop - start)
+        blocks = token_starts // max_length
+        num_rows = int(blocks[-1]) + 1 if len(blocks) else 0
+        order, row_offsets = np.arange(len(example)), np.searchsorted(blocks, np.arange(num_rows + 1))
+    else:
+        from lit_memtrain.datamodules.best_fit import best_fit_decreasing
+
+        order, row_offsets = best_fit_decreasing(stop - start, max_length)
+    return PackingPlan(example, start, stop, order, row_offsets, max_length, strategy)
 
 
 def pack_dataset(
@@ -146,7 +207,10 @@ def pack_dataset(
         return PackedStream(dataset, max_length, strategy, buffer_size=buffer_size, shuffle=False)
     schema = dataset.data.schema
     packed_names = _list_columns(schema)
-    table = dataset.select_columns(packed_names).with_format("arrow")[:]
+    if dataset._indices is None:  # not selected or shuffled: its table holds its rows, as they are
+        table = dataset.data.table.select(packed_names)
+    else:
+        table = dataset.select_columns(packed_names).with_format("arrow")[:]
     packed_table = pack_table(table, max_length, strategy)
     from datasets import DatasetInfo, Features
 
@@ -159,6 +223,22 @@ def pack_dataset(
     return _with_same_format(packed, dataset.format)
 
 
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Pause Python's garbage collector (a decorator of :func:`pack_table`). Packing makes no reference
+    cycles, but its first call imports llvmlite (~7,000 new objects), and a collection that this triggers
+    may be a full one, which in a process holding torch and transformers (~500,000 objects) takes
+    0.2-0.3 s here, longer than the whole pack."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@_collector_paused()
 def pack_table(table: pa.Table, max_length: int, strategy: str = "bfd") -> pa.Table:
     """Pack the list columns of an Arrow ``table`` (one example per row) into rows of ``max_length`` tokens.
 
@@ -172,22 +252,32 @@ def pack_table(table: pa.Table, max_length: int, strategy: str = "bfd") -> pa.Ta
     lengths_from = "input_ids" if "input_ids" in names else names[0]
     lengths = _list_lengths(table[lengths_from])
     for name in names:
-        if not np.array_equal(_list_lengths(table[name]), lengths):
+        if name != lengths_from and not np.array_equal(_list_lengths(table[name]), lengths):
             raise ValueError(
                 f"Column '{name}' does not have as many items per example as '{lengths_from}', so "
                 f"it cannot be packed with it; remove it first (dataset.remove_columns(['{name}']))."
             )
     if strategy == "wrapped" and not any(table[name].null_count for name in names):
         return pa.table({name: _wrap_column(table[name], max_length) for name in names})
-    compiling = None
-    if any(_copied_by_segments(table[name]) for name in names):
-        from lit_memtrain.datamodules.segment_copy import compile_in_background
+    num_tokens = int((np.minimum(lengths, max_length) if strategy == "bfd" else lengths).sum())
+    # Arrow's memory pool, like any Arrow column: it reuses freed pages, where a fresh numpy array would be
+    # mapped anew. Allocated before the plan, so that their fresh pages are mapped while it is made.
+    destinations = {
+        name: pa.allocate_buffer(num_tokens * table[name].type.value_type.bit_width // 8)
+        for name in names
+        if _copied_by_segments(table[name])
+    }
+    preparation = None
+    if destinations:
+        from lit_memtrain.datamodules.segment_copy import CopyPreparation
 
-        compiling = compile_in_background()  # llvmlite's import and compile overlap the plan (cold calls)
-    plan = plan_packing(lengths, max_length, strategy)
-    if compiling is not None:
-        compiling.join()
-    output = {name: _gather_rows(table[name], plan) for name in names}
+        preparation = CopyPreparation([np.frombuffer(buffer, np.uint8) for buffer in destinations.values()])
+    try:
+        plan = plan_packing(lengths, max_length, strategy)
+    finally:
+        if preparation is not None:
+            preparation.finish()
+    output = {name: _gather_rows(table[name], plan, destinations.get(name)) for name in names}
     if strategy != "wrapped":
         output["seq_lengths"] = pa.ListArray.from_arrays(
             pa.array(plan.row_offsets, pa.int32()), pa.array(plan.segment_lengths, pa.int32())
@@ -237,40 +327,39 @@ def _wrap_column(column: pa.ChunkedArray, max_length: int) -> pa.ChunkedArray:
 def _split_into_chunks(
     example: np.ndarray, lengths: np.ndarray, max_length: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Cut each example into consecutive chunks of ``max_length`` tokens (the last shorter)."""
-    chunks = -(-lengths // max_length)
-    chunk_example = np.repeat(example, chunks)
-    index = np.arange(int(chunks.sum())) - np.repeat(np.cumsum(chunks) - chunks, chunks)
-    start = index * max_length
-    stop = np.minimum(start + max_length, np.repeat(lengths, chunks))
-    return chunk_example, start, stop
+    """Cut each example (``lengths`` >= 1) into consecutive chunks of ``max_length`` tokens (the last shorter).
+
+    Only the few examples longer than a row are cut (in small arrays); every other one is its own
+    chunk, so the full-size arrays are three: each chunk's example, start and stop.
+    """
+    chunks = (lengths - 1) // max_length + 1
+    if not len(lengths) or int(chunks.max()) == 1:
+        return example, np.zeros(len(example), dtype=np.int64), lengths
+    long = np.flatnonzero(chunks > 1)
+    long_chunks = chunks[long]
+    index = np.arange(int(long_chunks.sum())) - np.repeat(np.cumsum(long_chunks) - long_chunks, long_chunks)
+    position = np.repeat((np.cumsum(chunks) - chunks)[long], long_chunks) + index
+    start = np.zeros(int(chunks.sum()), dtype=np.int64)
+    start[position] = index * max_length
+    stop = np.repeat(lengths, chunks)
+    stop[position] = np.minimum((index + 1) * max_length, np.repeat(lengths[long], long_chunks))
+    return np.repeat(example, chunks), start, stop
 
 
-def _plan_wrapped(lengths: np.ndarray, max_length: int) -> PackingPlan:
-    """Cut the concatenation of all examples into blocks: one segment per (example, block) pair."""
-    kept = np.flatnonzero(lengths)
-    ends = np.cumsum(lengths[kept])
-    starts = ends - lengths[kept]
+def _cut_at_block_ends(example: np.ndarray, lengths: np.ndarray, max_length: int) -> Segments:
+    """Cut each example where a block of ``max_length`` tokens of the concatenation ends."""
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
     first_block, last_block = starts // max_length, (ends - 1) // max_length
     pieces = last_block - first_block + 1
-    piece_example = np.repeat(np.arange(len(kept)), pieces)
+    piece_example = np.repeat(np.arange(len(example)), pieces)
     block = np.repeat(first_block, pieces) + np.arange(int(pieces.sum())) - np.repeat(
         np.cumsum(pieces) - pieces, pieces
     )
-    begin = np.maximum(block * max_length, starts[piece_example])
-    end = np.minimum((block + 1) * max_length, ends[piece_example])
     offset = starts[piece_example]
-    num_rows = int(last_block[-1]) + 1 if len(kept) else 0
-    row_offsets = np.searchsorted(block, np.arange(num_rows + 1))
-    return PackingPlan(
-        kept[piece_example],
-        begin - offset,
-        end - offset,
-        row_offsets,
-        max_length,
-        "wrapped",
-        np.arange(len(piece_example)),
-    )
+    begin = np.maximum(block * max_length, offset)
+    end = np.minimum((block + 1) * max_length, ends[piece_example])
+    return example[piece_example], begin - offset, end - offset
 
 
 def _copied_by_segments(column: pa.ChunkedArray) -> bool:
@@ -283,22 +372,26 @@ def _copied_by_segments(column: pa.ChunkedArray) -> bool:
     )
 
 
-def _gather_rows(column: pa.ChunkedArray, plan: PackingPlan) -> pa.ChunkedArray:
+def _gather_rows(column: pa.ChunkedArray, plan: PackingPlan, destination: pa.Buffer | None = None) -> pa.ChunkedArray:
     """Copy one list column's planned segments, in plan order, into the packed rows.
 
     Fixed-width values without nulls (token ids, labels, masks stored as integers) are copied by
-    ``copy_segments`` in dataset order, one thread per core, straight from each Arrow chunk's buffer.
-    Other values (bit-packed booleans, strings, values with nulls) are concatenated and described as a
-    list-view array (an offset and a size per segment, in any order) that Arrow flattens in C++.
-    Offsets are read from the arrays themselves, so a sliced or selected dataset packs its own rows only.
-    The output is split into chunks of fewer than 2**31 values when its type has 32-bit offsets.
+    ``copy_segments`` in dataset order, one thread per core, straight from each Arrow chunk's buffer, into
+    ``destination`` (allocated by the caller; a new buffer when None). Other values (bit-packed booleans,
+    strings, values with nulls) are concatenated and described as a list-view array (an offset and a size
+    per segment, in any order) that Arrow flattens in C++. Offsets are read from the arrays themselves, so a
+    sliced or selected dataset packs its own rows only. The output is split into chunks of fewer than 2**31
+    values when its type has 32-bit offsets.
     """
     chunks = [chunk for chunk in column.chunks if len(chunk)]
-    example_chunk = np.repeat(np.arange(len(chunks)), [len(chunk) for chunk in chunks])
-    example_offsets = np.concatenate([np.zeros(0, np.int64), *(c.offsets.to_numpy()[:-1] for c in chunks)])
-    segment_chunks = example_chunk[plan.example]
-    segment_starts = example_offsets[plan.example].astype(np.int64) + plan.start
-    token_offsets = np.concatenate(([0], np.cumsum(plan.segment_lengths)))
+    if len(chunks) == 1:
+        segment_chunks = np.zeros(len(plan.segment_example), dtype=np.int64)
+        segment_starts = chunks[0].offsets.to_numpy()[plan.segment_example] + plan.segment_start
+    else:
+        example_chunk = np.repeat(np.arange(len(chunks)), [len(chunk) for chunk in chunks])
+        example_offsets = np.concatenate([np.zeros(0, np.int64), *(c.offsets.to_numpy()[:-1] for c in chunks)])
+        segment_chunks = example_chunk[plan.segment_example]
+        segment_starts = example_offsets[plan.segment_example] + plan.segment_start
     value_type = column.type.value_type
     if _copied_by_segments(column):
         from lit_memtrain.datamodules.segment_copy import copy_segments  # llvmlite, imported when used
@@ -308,17 +401,14 @@ def _gather_rows(column: pa.ChunkedArray, plan: PackingPlan) -> pa.ChunkedArray:
             np.frombuffer(c.values.buffers()[1], f"u{width}", count=len(c.values), offset=c.values.offset * width)
             for c in chunks
         ]
-        order = plan.source_order
-        size = int(token_offsets[-1])
-        # Arrow's memory pool, like any Arrow column: it reuses freed pages, where a fresh numpy array of
-        # this size would be mapped anew and zeroed page by page by the kernel (most of the copy's time).
-        buffer = pa.allocate_buffer(size * width)
+        size = plan.num_tokens
+        buffer = pa.allocate_buffer(size * width) if destination is None else destination
         copy_segments(
             sources,
-            segment_chunks[order],
-            segment_starts[order],
-            plan.segment_lengths[order],
-            token_offsets[:-1][order],
+            segment_chunks,
+            segment_starts,
+            plan.segment_stop - plan.segment_start,
+            plan.destination_starts,
             size,
             _copy_workers(size),
             out=np.frombuffer(buffer, f"u{width}"),
@@ -328,13 +418,13 @@ def _gather_rows(column: pa.ChunkedArray, plan: PackingPlan) -> pa.ChunkedArray:
         first_offsets = np.array([c.offsets[0].as_py() for c in chunks], dtype=np.int64)
         used = [c.values.slice(first, c.offsets[-1].as_py() - first) for c, first in zip(chunks, first_offsets)]
         bases = np.concatenate(([0], np.cumsum([len(values) for values in used])))[:-1]
-        views = pa.LargeListViewArray.from_arrays(
-            pa.array(bases[segment_chunks] - first_offsets[segment_chunks] + segment_starts, pa.int64()),
+        views = pa.LargeListViewArray.from_arrays(  # in row order: Arrow flattens them in that order
+            pa.array((bases[segment_chunks] - first_offsets[segment_chunks] + segment_starts)[plan.order], pa.int64()),
             pa.array(plan.segment_lengths, pa.int64()),
             pa.concat_arrays(used) if used else pa.array([], value_type),
         )
         flat = views.flatten()
-    return _split_into_list_chunks(flat, token_offsets[plan.row_offsets], column.type)
+    return _split_into_list_chunks(flat, plan.token_offsets[plan.row_offsets], column.type)
 
 
 def _split_into_list_chunks(
@@ -368,7 +458,14 @@ def _copy_workers(num_tokens: int) -> int:
 
 
 def _list_lengths(column: pa.ChunkedArray) -> np.ndarray:
-    return pc.list_value_length(column).fill_null(0).to_numpy().astype(np.int64)
+    """Items per row of a list column (0 for a null row), from the offsets of chunks without nulls."""
+    pieces = [
+        np.diff(chunk.offsets.to_numpy()).astype(np.int64, copy=False)
+        if not chunk.null_count
+        else pc.list_value_length(chunk).fill_null(0).to_numpy().astype(np.int64)
+        for chunk in column.chunks
+    ]
+    return pieces[0] if len(pieces) == 1 else np.concatenate([np.zeros(0, np.int64), *pieces])
 
 
 def _with_same_format(packed: Dataset, dataset_format: dict) -> Dataset:
@@ -377,11 +474,19 @@ def _with_same_format(packed: Dataset, dataset_format: dict) -> Dataset:
         columns = [name for name in columns if name in packed.column_names]
         if "seq_lengths" in packed.column_names:
             columns.append("seq_lengths")
+    same_format = {
+        "type": dataset_format.get("type"),
+        "format_kwargs": dataset_format.get("format_kwargs", {}),
+        "columns": packed.column_names if columns is None else columns,
+        "output_all_columns": dataset_format.get("output_all_columns", False),
+    }
+    if packed.format == same_format:  # the default format: no new fingerprint to hash
+        return packed
     return packed.with_format(
-        dataset_format.get("type"),
+        same_format["type"],
         columns=columns,
-        output_all_columns=dataset_format.get("output_all_columns", False),
-        **dataset_format.get("format_kwargs", {}),
+        output_all_columns=same_format["output_all_columns"],
+        **same_format["format_kwargs"],
     )
 
 
@@ -406,7 +511,7 @@ def _check_lengths(lengths: np.ndarray) -> np.ndarray:
             f"lengths must be a 1-D array of integer token counts, got shape {lengths.shape} "
             f"and dtype {lengths.dtype}."
         )
-    lengths = lengths.astype(np.int64)
+    lengths = lengths.astype(np.int64, copy=False)
     if lengths.size and lengths.min() < 0:
         raise ValueError(f"lengths must be >= 0, found {int(lengths.min())}.")
     return lengths

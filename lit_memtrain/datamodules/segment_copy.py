@@ -13,8 +13,10 @@ is a dozen lines of LLVM IR, compiled by llvmlite in a few milliseconds the firs
 a process and called through ctypes, which releases the GIL: one thread per core copies its own share
 of the slices. (A Python loop per slice would cost more than the copy; numba compiled the same loop,
 but its start-up, ~0.8 s in each new process, was longer than the whole pack; numpy's fancy indexing
-over strided windows, one size of slice at a time, was 2-3x slower than ``memcpy``.) Bounds are checked
-in Python before the loop runs.
+over strided windows, one size of slice at a time, was 2-3x slower than ``memcpy``; the kernel's
+``process_vm_readv`` on the process itself, which needs nothing compiled, 2x slower.) Bounds are checked
+in Python before the loop runs. :class:`CopyPreparation` compiles the loop and maps the destination's
+fresh pages on another core while the caller makes its plan.
 
 Usage::
 
@@ -24,6 +26,7 @@ Usage::
 from __future__ import annotations
 
 import ctypes
+import mmap
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -65,6 +68,7 @@ done:
 }
 """
 _compile_lock = threading.Lock()
+_PIECE_BYTES = 64 * 2**20  # pages touched per GIL release: a few ms of page faults, the most finish() waits
 _compiled: list = []  # [execution engine (owns the machine code), ctypes function], once compiled
 
 
@@ -85,20 +89,45 @@ def _scatter() -> Callable[..., None]:
         return _compiled[1]
 
 
-def compile_in_background() -> threading.Thread:
-    """Start importing llvmlite and compiling the copy loop in a thread, to overlap a caller's other work
-    (the packing plan) with its ~40 ms; ``join`` the thread before timing-sensitive work. A failure (llvmlite
-    missing) is left to the first ``copy_segments`` call, which compiles again and raises it."""
+class CopyPreparation:
+    """Compile the copy loop, and map the destinations' fresh pages on another core meanwhile and while the
+    caller goes on (with the packing plan), until :meth:`finish`.
 
-    def compile_quietly() -> None:
+    Why: a first copy in a process pays twice over for what a later one gets for free. llvmlite is imported
+    and the loop compiled (~40 ms), and the destination is fresh memory: the kernel maps and zeroes each
+    page on its first write, which made a first copy of 850 MB take ~150 ms instead of ~90 ms here. Neither
+    needs the plan. A thread writes one byte per page, a piece at a time (numpy releases the GIL for each
+    piece), while this thread compiles (Python, GIL-bound: llvmlite's import) and then makes the plan;
+    the copy faults in whatever is left. Warm calls find the loop compiled and the pool's pages mapped: the
+    thread then costs one write per page.
+
+    Example:
+        >>> preparation = CopyPreparation([destination])  # compiles; a thread maps the destination's pages
+        >>> plan = make_plan()
+        >>> preparation.finish()  # before the copy writes: the thread writes zeros
+    """
+
+    def __init__(self, destinations: Sequence[np.ndarray]) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._touch, args=(destinations,), daemon=True)
+        self._thread.start()
         try:
             _scatter()
-        except Exception:  # noqa: BLE001 - raised again, in the caller's thread, by copy_segments
+        except Exception:  # noqa: BLE001 - raised again by copy_segments, where the loop is needed
             pass
 
-    thread = threading.Thread(target=compile_quietly, daemon=True)
-    thread.start()
-    return thread
+    def _touch(self, destinations: Sequence[np.ndarray]) -> None:
+        for destination in destinations:
+            pages = destination.reshape(-1).view(np.uint8)
+            for start in range(0, pages.size, _PIECE_BYTES):
+                if self._stop.is_set():
+                    return
+                pages[start : start + _PIECE_BYTES : mmap.PAGESIZE] = 0
+
+    def finish(self) -> None:
+        """Stop touching pages and wait for the thread (at most one piece): the destinations are the caller's."""
+        self._stop.set()
+        self._thread.join()
 
 
 def copy_segments(

@@ -6,6 +6,7 @@ from collections import defaultdict, deque
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 import torch
 from datasets import Dataset
@@ -369,3 +370,45 @@ def test_rows_are_split_into_chunks_that_32_bit_offsets_can_address() -> None:
     column = _split_into_list_chunks(flat, row_offsets, pa.list_(pa.int32()), max_values=4)
     assert [len(chunk.values) for chunk in column.chunks] == [4, 4, 2]
     assert column.to_pylist() == [[0, 1, 2], [3], [4, 5, 6, 7], [8, 9]]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_no_garbage_collection_runs_while_a_table_is_packed(strategy: str) -> None:
+    import gc
+    import sys
+
+    from lit_memtrain.datamodules.packing import pack_table
+
+    lengths = lognormal_lengths(3000, seed=4)
+    offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
+    values = pa.array(np.arange(offsets[-1], dtype=np.int32))
+    table = pa.table({"input_ids": pa.ListArray.from_arrays(pa.array(offsets), values)}).slice(1)
+    table = pa.concat_tables([table, pa.table({"input_ids": pa.array([None, [5]], pa.list_(pa.int32()))})])
+    collections: list[str] = []
+
+    def count(phase: str, info: dict) -> None:  # a collection that starts while packing code is running
+        frame = sys._getframe(1)
+        while phase == "start" and frame is not None:
+            if "lit_memtrain" in frame.f_code.co_filename:
+                collections.append(f"{frame.f_code.co_name} (generation {info['generation']})")
+                return
+            frame = frame.f_back
+
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)  # without the pause, every tracked allocation would start a collection
+    gc.callbacks.append(count)
+    try:
+        packed = pack_table(table, 512, strategy)
+    finally:
+        gc.callbacks.remove(count)
+        gc.set_threshold(*threshold)
+    assert collections == []
+    assert gc.isenabled()
+    kept = np.minimum(lengths[1:], 512) if strategy == "bfd" else lengths[1:]
+    assert pc.sum(pc.list_value_length(packed["input_ids"])).as_py() == int(kept.sum()) + 1  # the null row is empty
+    gc.disable()
+    try:
+        pack_table(table, 512, strategy)
+        assert not gc.isenabled()  # a caller's choice is kept
+    finally:
+        gc.enable()

@@ -72,3 +72,26 @@ def test_a_missing_llvmlite_is_raised_by_the_packing_call_not_lost_in_the_compil
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.startswith("raised"), result.stdout
     assert "Traceback" not in result.stderr, result.stderr
+
+
+def test_copy_preparation_compiles_and_writes_only_one_byte_per_page_until_finished(monkeypatch) -> None:
+    import mmap
+
+    from lit_memtrain.datamodules import segment_copy
+
+    monkeypatch.setattr(segment_copy, "_PIECE_BYTES", 16 * mmap.PAGESIZE)
+    destination = np.ones(64 * mmap.PAGESIZE + 100, dtype=np.uint8)
+    preparation = segment_copy.CopyPreparation([destination])
+    assert segment_copy._compiled  # the loop is ready when the constructor returns
+    preparation._thread.join()  # let it touch every page
+    preparation.finish()
+    page_starts = np.arange(destination.size) % mmap.PAGESIZE == 0
+    assert (destination[page_starts] == 0).all() and (destination[~page_starts] == 1).all()
+
+    destination[:] = 1
+    stopped = segment_copy.CopyPreparation([destination])
+    stopped.finish()
+    after_finish = destination.copy()
+    stopped._thread.join(timeout=1)
+    np.testing.assert_array_equal(destination, after_finish)  # nothing is written once finish() returns
+    assert (destination[~page_starts] == 1).all()
