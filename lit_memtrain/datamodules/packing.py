@@ -334,7 +334,7 @@ def _split_into_chunks(
     """
     chunks = (lengths - 1) // max_length + 1
     if not len(lengths) or int(chunks.max()) == 1:
-        return example, np.zeros(len(example), dtype=np.int64), lengths
+        return example, np.zeros(len(example), dtype=np.int64), lengths.copy()  # the plan owns its arrays
     long = np.flatnonzero(chunks > 1)
     long_chunks = chunks[long]
     index = np.arange(int(long_chunks.sum())) - np.repeat(np.cumsum(long_chunks) - long_chunks, long_chunks)
@@ -458,10 +458,10 @@ def _copy_workers(num_tokens: int) -> int:
 
 
 def _list_lengths(column: pa.ChunkedArray) -> np.ndarray:
-    """Items per row of a list column (0 for a null row), from the offsets of chunks without nulls."""
+    """Items per row of a list column (0 for a null row), from the offsets of list chunks without nulls."""
     pieces = [
         np.diff(chunk.offsets.to_numpy()).astype(np.int64, copy=False)
-        if not chunk.null_count
+        if not chunk.null_count and _is_list_type(chunk.type)
         else pc.list_value_length(chunk).fill_null(0).to_numpy().astype(np.int64)
         for chunk in column.chunks
     ]

@@ -412,3 +412,22 @@ def test_no_garbage_collection_runs_while_a_table_is_packed(strategy: str) -> No
         assert not gc.isenabled()  # a caller's choice is kept
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_plan_keeps_its_own_arrays(strategy: str) -> None:
+    lengths = np.array([3, 1, 2], dtype=np.int64)  # int64 and none longer than a row: nothing to convert or cut
+    plan = plan_packing(lengths, 4, strategy)
+    lengths[:] = 0
+    assert plan.num_tokens == 6 and sorted(plan.stop - plan.start) == [1, 2, 3]
+
+
+def test_list_lengths_of_every_list_type() -> None:
+    from lit_memtrain.datamodules.packing import _list_lengths
+
+    rows = [[1], [2, 3], None, []]
+    for list_type in (pa.list_(pa.int32()), pa.large_list(pa.int32()), pa.list_view(pa.int32())):
+        column = pa.chunked_array([pa.array(rows, list_type), pa.array([[4, 5, 6]], list_type)])
+        assert _list_lengths(column).tolist() == [1, 2, 0, 0, 3]
+    fixed = pa.chunked_array([pa.array([[1, 2], [3, 4]], pa.list_(pa.int32(), 2))])
+    assert _list_lengths(fixed).tolist() == [2, 2]
