@@ -68,7 +68,7 @@ def _place_by_size(counts: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
     thousands of rows), flat: start, stop, start, stop, ...; ``open_frees`` lists the free spaces whose queue
     is not empty, sorted, so that the best fit for size ``s`` is the first entry ``>= s``. Plain Python ints
     in flat lists and deques: a step costs about a microsecond, where numpy calls on tiny arrays cost several,
-    and nothing the loop keeps is a tuple or list the garbage collector tracks (with ~10,000 of those alive,
+    and nothing the loop keeps is a tuple or list the garbage collector tracks (with ~35,000 of those alive,
     the collector ran ~50 times per plan, and a full collection of a process holding torch and
     transformers takes 0.2-0.3 s here, longer than the whole pack).
     """
