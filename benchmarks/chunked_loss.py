@@ -2,7 +2,7 @@
 
 Both compute the mean cross-entropy of ``hidden @ weight.T`` over every target and its gradients for hidden
 and weight, fp32 on the CPU: ``cross_entropy(F.linear(hidden, weight), targets)`` builds the [N, V] logits;
-``chunked_cross_entropy`` never does (its memory is measured in tests/test_loss.py and
+``chunked_cross_entropy`` never does (its memory is measured in tests/techniques/test_loss.py and
 benchmarks/memory_techniques.py). Rounds alternate; the figure is the median over rounds of plain / chunked
 process CPU time. Above 1.0x the chunked loss is also faster.
 
@@ -21,7 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from lit_memtrain.loss import chunked_cross_entropy, cross_entropy
+from lit_memtrain.techniques.loss import chunked_cross_entropy, cross_entropy
 
 
 def main() -> None:

@@ -29,9 +29,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
-from lit_memtrain.context_parallel import global_target_count, install_attention, shard_batch, shard_loss
+from lit_memtrain.parallel.context_parallel import global_target_count, install_attention, shard_batch, shard_loss
 from lit_memtrain.datamodules.padding_free import PaddingFreeCollator
-from lit_memtrain.presets import build_config
+from lit_memtrain.models.presets import build_config
 
 METHODS = ("ulysses", "ring")
 

@@ -25,7 +25,7 @@ padding-free / padded.
 Memory (``--memory``): one DPO step of Qwen3-4B (36 layers, bf16 parameters, gradients and AdamW state) on
 one pair whose chosen and rejected sequences (L/2 tokens each) fill one padding-free row of L tokens,
 simulated with fake tensors (:mod:`lit_memtrain.planner.simulate`: allocations only). The step is DPO's:
-the completion log-probabilities (from full logits, or :func:`~lit_memtrain.logprobs.chunked_token_log_probs`
+the completion log-probabilities (from full logits, or :func:`~lit_memtrain.techniques.logprobs.chunked_token_log_probs`
 from hidden states), summed per sequence, the sigmoid loss against precomputed reference log-probabilities
 (so no reference model exists), backward and AdamW. Attention is simulated as one causal row of L tokens
 (the planner's O(L) flash kernel), an upper bound of the two-document row.
@@ -166,8 +166,8 @@ def prepare(args: argparse.Namespace, workdir: Path) -> tuple[Path, Path]:
     from transformers import AutoModelForCausalLM
 
     from lit_memtrain.datamodules.embedded import EMBEDDED
-    from lit_memtrain.presets import build_config
-    from lit_memtrain.tokenizer import load_tokenizer
+    from lit_memtrain.models.presets import build_config
+    from lit_memtrain.datamodules.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(EMBEDDED)
     overrides = {**MODEL_OVERRIDES, "vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
@@ -260,9 +260,9 @@ def simulate_dpo_step(length: int, options: dict, layers: int) -> tuple[float, f
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from lit_memtrain.checkpointing import apply_checkpointing
-    from lit_memtrain.layers import find_decoder_layers
-    from lit_memtrain.logprobs import chunked_token_log_probs, token_log_probs
+    from lit_memtrain.techniques.checkpointing import apply_checkpointing
+    from lit_memtrain.models.layers import find_decoder_layers
+    from lit_memtrain.techniques.logprobs import chunked_token_log_probs, token_log_probs
     from lit_memtrain.planner.simulate import (
         _initialise_optimizer_state,
         fake_causal_lm,
@@ -270,9 +270,9 @@ def simulate_dpo_step(length: int, options: dict, layers: int) -> tuple[float, f
         stand_in_device,
         tiles_simulated_once,
     )
-    from lit_memtrain.preference_loss import preference_loss
-    from lit_memtrain.presets import build_config
-    from lit_memtrain.tiled_mlp import apply_tiled_mlp
+    from lit_memtrain.objectives.preference_loss import preference_loss
+    from lit_memtrain.models.presets import build_config
+    from lit_memtrain.techniques.tiled_mlp import apply_tiled_mlp
 
     start = time.perf_counter()
     with FakeTensorMode(allow_non_fake_inputs=True):

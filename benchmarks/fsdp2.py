@@ -42,7 +42,7 @@ def _cpu_run(ranks: int, threads: int, seq_len: int, steps: int, result_path: st
     from torch.distributed.tensor import DTensor
     from torch.utils.data import DataLoader
 
-    from lit_memtrain.module import CausalLMModule
+    from lit_memtrain.objectives.causal_lm import CausalLMModule
     from lit_memtrain.strategies import FSDP2Strategy
 
     class Measure(Callback):

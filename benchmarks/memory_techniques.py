@@ -30,12 +30,12 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-from lit_memtrain.checkpointing import apply_checkpointing
-from lit_memtrain.layers import find_decoder_layers
-from lit_memtrain.loss import chunked_cross_entropy, cross_entropy
+from lit_memtrain.techniques.checkpointing import apply_checkpointing
+from lit_memtrain.models.layers import find_decoder_layers
+from lit_memtrain.techniques.loss import chunked_cross_entropy, cross_entropy
 from lit_memtrain.planner.simulate import MemoryReport, simulate_step
-from lit_memtrain.presets import build_config
-from lit_memtrain.tiled_mlp import apply_tiled_mlp
+from lit_memtrain.models.presets import build_config
+from lit_memtrain.techniques.tiled_mlp import apply_tiled_mlp
 
 CUMULATIVE = [
     ("plain", {}),

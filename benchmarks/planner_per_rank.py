@@ -2,7 +2,7 @@
 
 What runs is ``lit-memtrain plan``'s simulation (:func:`lit_memtrain.planner.step.simulate_fit_step`: the
 ``CausalLMModule`` step on fake tensors, torch's ``fully_shard`` on a fake process group, the context-parallel
-attention of :mod:`lit_memtrain.context_parallel` installed on the model and the row cut by its ``shard_batch``),
+attention of :mod:`lit_memtrain.parallel.context_parallel` installed on the model and the row cut by its ``shard_batch``),
 once per row of the table, all in this process. Allocations only: no kernel workspaces, CUDA context or
 fragmentation (``lit-memtrain plan`` keeps a 10% margin for them).
 

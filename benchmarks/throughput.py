@@ -7,7 +7,7 @@ to exactly ``n - 1`` tokens plus eos; the script checks every length after token
 
 Model: ``tiny-qwen3`` with hidden size 512 (8 heads of 64, MLP 1536) and 2 layers, fp32 on CPU, sdpa
 attention, the same random initialisation for both runs, AdamW, gradient clipping at 1.0, a real
-Lightning ``Trainer`` and :class:`~lit_memtrain.module.CausalLMModule`. Why that width: per token and
+Lightning ``Trainer`` and :class:`~lit_memtrain.objectives.causal_lm.CausalLMModule`. Why that width: per token and
 layer, attention over a 1024-token row costs about ``2 * 1024 * heads * head_dim`` multiply-adds and the
 linear layers about ``d * (q + k + v + o widths) + 3 * d * mlp``. At this shape attention is about 0.35 of
 the linear cost, close to Qwen3-0.6B (0.27); at the quickstart's width (128) it is 1.3x the linear cost,
@@ -73,8 +73,8 @@ from torch.utils.data import DataLoader
 
 from lit_memtrain.datamodules.embedded import EMBEDDED
 from lit_memtrain.datamodules.sft import SFTDataModule
-from lit_memtrain.module import CausalLMModule
-from lit_memtrain.tokenizer import load_tokenizer
+from lit_memtrain.objectives.causal_lm import CausalLMModule
+from lit_memtrain.datamodules.tokenizer import load_tokenizer
 
 MODEL_OVERRIDES = {
     "hidden_size": 512,

@@ -6,7 +6,7 @@ Same for both:
   fp32) built once, saved with ``save_pretrained`` and loaded by each run. Attention: TRL's default for a
   padding-free row, sdpa (which masks a dense row); ours its default when none is named, the fastest
   implementation that keeps packed documents apart on the device (``sdpa_by_document`` on a CPU: SDPA once
-  per packed document, see ``lit_memtrain/attention.py``). ``--attention sdpa`` gives ours the same kernel as
+  per packed document, see ``lit_memtrain/techniques/attention.py``). ``--attention sdpa`` gives ours the same kernel as
   TRL;
 - tokenizer: the embedded one, saved next to the weights;
 - data: the synthetic ``text`` examples of ``benchmarks/throughput.py`` (lognormal lengths, median 100,
@@ -196,8 +196,8 @@ def prepare(args: argparse.Namespace, workdir: Path) -> tuple[Path, Path, int]:
     from transformers import AutoModelForCausalLM
 
     from lit_memtrain.datamodules.embedded import EMBEDDED
-    from lit_memtrain.presets import build_config
-    from lit_memtrain.tokenizer import load_tokenizer
+    from lit_memtrain.models.presets import build_config
+    from lit_memtrain.datamodules.tokenizer import load_tokenizer
 
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()

@@ -1,12 +1,13 @@
 """lit-memtrain: memory-reduction techniques for fine-tuning causal LMs with PyTorch Lightning."""
 
+from lit_memtrain import moved
 from lit_memtrain.datamodules.preference import PreferenceDataModule
 from lit_memtrain.datamodules.sft import SFTDataModule
-from lit_memtrain.dpo import DPOModule
-from lit_memtrain.layers import find_decoder_layers
-from lit_memtrain.loss import chunked_cross_entropy, cross_entropy
-from lit_memtrain.module import CausalLMModule
-from lit_memtrain.presets import PRESETS, build_config
+from lit_memtrain.objectives.dpo import DPOModule
+from lit_memtrain.models.layers import find_decoder_layers
+from lit_memtrain.techniques.loss import chunked_cross_entropy, cross_entropy
+from lit_memtrain.objectives.causal_lm import CausalLMModule
+from lit_memtrain.models.presets import PRESETS, build_config
 
 __all__ = [
     "PRESETS",
@@ -20,3 +21,5 @@ __all__ = [
     "find_decoder_layers",
 ]
 __version__ = "0.1.0"
+
+moved.install()

@@ -15,6 +15,6 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def tokenizer():
     from lit_memtrain.datamodules.embedded import EMBEDDED
-    from lit_memtrain.tokenizer import load_tokenizer
+    from lit_memtrain.datamodules.tokenizer import load_tokenizer
 
     return load_tokenizer(EMBEDDED)

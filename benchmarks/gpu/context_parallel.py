@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from lit_memtrain.allocator import enable_expandable_segments
+from lit_memtrain.techniques.allocator import enable_expandable_segments
 
 enable_expandable_segments()
 
@@ -42,7 +42,7 @@ from results import add_arguments, check, table, write  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lit_memtrain.callbacks import GradientCheckpointing, TiledMLP  # noqa: E402
-from lit_memtrain.module import CausalLMModule  # noqa: E402
+from lit_memtrain.objectives.causal_lm import CausalLMModule  # noqa: E402
 from lit_memtrain.strategies import ContextParallelStrategy, FSDP2Strategy  # noqa: E402
 
 GIB = 2**30

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from lit_memtrain.allocator import enable_expandable_segments
+from lit_memtrain.techniques.allocator import enable_expandable_segments
 
 enable_expandable_segments()
 
@@ -33,7 +33,7 @@ from lightning.pytorch import Callback, Trainer  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lit_memtrain.callbacks import GradientCheckpointing, TiledMLP  # noqa: E402
-from lit_memtrain.module import CausalLMModule  # noqa: E402
+from lit_memtrain.objectives.causal_lm import CausalLMModule  # noqa: E402
 from lit_memtrain.strategies import FSDP2Strategy  # noqa: E402
 
 GIB = 2**30

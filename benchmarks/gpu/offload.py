@@ -5,7 +5,7 @@ weights runs forward + chunked loss + backward on one sequence. Each setting is 
 step, in the same process, on the same weights and tokens:
 
 - ``checkpointing``: non-reentrant checkpointing of every layer (the reference for the next two);
-- ``checkpointing + offload``: the same with :class:`lit_memtrain.offload.ActivationOffloader`;
+- ``checkpointing + offload``: the same with :class:`lit_memtrain.techniques.offload.ActivationOffloader`;
 - ``offloaded checkpoints``: checkpointing with each layer's input held by ``save_on_cpu``;
 - ``no checkpointing`` and ``no checkpointing + offload``: every activation of the layers offloaded.
 
@@ -31,18 +31,18 @@ import statistics
 import sys
 import time
 
-from lit_memtrain.allocator import enable_expandable_segments
+from lit_memtrain.techniques.allocator import enable_expandable_segments
 
 enable_expandable_segments()
 
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from lit_memtrain.checkpointing import apply_checkpointing  # noqa: E402
-from lit_memtrain.layers import find_decoder_layers  # noqa: E402
-from lit_memtrain.loss import chunked_cross_entropy  # noqa: E402
-from lit_memtrain.offload import ActivationOffloader  # noqa: E402
-from lit_memtrain.presets import build_config  # noqa: E402
+from lit_memtrain.techniques.checkpointing import apply_checkpointing  # noqa: E402
+from lit_memtrain.models.layers import find_decoder_layers  # noqa: E402
+from lit_memtrain.techniques.loss import chunked_cross_entropy  # noqa: E402
+from lit_memtrain.techniques.offload import ActivationOffloader  # noqa: E402
+from lit_memtrain.models.presets import build_config  # noqa: E402
 from results import add_arguments, check, table, write  # noqa: E402
 
 GIB = 2**30

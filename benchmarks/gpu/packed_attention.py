@@ -7,7 +7,7 @@ implementations run in the same process on the same weights and row, after a war
 
 - ``sdpa``: transformers builds a dense ``L x L`` mask for the packed row and SDPA computes every block,
   masked (no flash kernel: it takes no mask);
-- ``sdpa_by_document``: SDPA with ``is_causal=True`` once per document (``lit_memtrain/attention.py``).
+- ``sdpa_by_document``: SDPA with ``is_causal=True`` once per document (``lit_memtrain/techniques/attention.py``).
 
 Printed per implementation: peak allocated memory above the weights, median step time, and the largest
 relative gradient difference against ``sdpa`` (the two must agree). An out-of-memory step is reported as
@@ -33,12 +33,12 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from lit_memtrain.attention import SDPA_BY_DOCUMENT
-from lit_memtrain.checkpointing import apply_checkpointing
+from lit_memtrain.techniques.attention import SDPA_BY_DOCUMENT
+from lit_memtrain.techniques.checkpointing import apply_checkpointing
 from lit_memtrain.datamodules.padding_free import PaddingFreeCollator
-from lit_memtrain.layers import find_decoder_layers
-from lit_memtrain.loss import chunked_cross_entropy
-from lit_memtrain.presets import build_config
+from lit_memtrain.models.layers import find_decoder_layers
+from lit_memtrain.techniques.loss import chunked_cross_entropy
+from lit_memtrain.models.presets import build_config
 from results import add_arguments, check, table, write
 
 GIB = 2**30

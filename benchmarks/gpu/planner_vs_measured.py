@@ -36,10 +36,10 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from lit_memtrain.checkpointing import apply_checkpointing
-from lit_memtrain.layers import find_decoder_layers
-from lit_memtrain.loss import chunked_cross_entropy
-from lit_memtrain.presets import build_config
+from lit_memtrain.techniques.checkpointing import apply_checkpointing
+from lit_memtrain.models.layers import find_decoder_layers
+from lit_memtrain.techniques.loss import chunked_cross_entropy
+from lit_memtrain.models.presets import build_config
 from results import add_arguments, check, table, write
 
 GIB = 2**30

@@ -8,7 +8,7 @@ two hooks; with manual optimisation every ``manual_backward`` of the step does t
 ``on_after_backward`` would end the context after the first backward of a manual step.
 
 Everything else (which tensors, streams, per-step reset, host RAM warning) lives in
-:class:`lit_memtrain.offload.ActivationOffloader`, usable without Lightning.
+:class:`lit_memtrain.techniques.offload.ActivationOffloader`, usable without Lightning.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lit_memtrain.offload import ActivationOffloader
+from lit_memtrain.techniques.offload import ActivationOffloader
 
 __all__ = ["ActivationOffloading"]
 

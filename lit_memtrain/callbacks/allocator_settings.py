@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lit_memtrain.allocator import ALLOC_CONF_VARIABLES, EXPANDABLE_SEGMENTS, enable_expandable_segments
+from lit_memtrain.techniques.allocator import ALLOC_CONF_VARIABLES, EXPANDABLE_SEGMENTS, enable_expandable_segments
 
 __all__ = ["AllocatorSettings"]
 

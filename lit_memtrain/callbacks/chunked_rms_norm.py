@@ -1,4 +1,4 @@
-"""Lightning callback running the model's RMSNorms in fp32 chunks of tokens (:mod:`lit_memtrain.rms_norm`).
+"""Lightning callback running the model's RMSNorms in fp32 chunks of tokens (:mod:`lit_memtrain.techniques.rms_norm`).
 
 Why a callback: like tiled MLPs, it is a property of the run and must work on a user's own LightningModule
 holding a Hugging Face causal LM. The norms are found and probed when the fit starts (after
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lit_memtrain.rms_norm import DEFAULT_CHUNK_ELEMENTS, apply_chunked_rms_norm, validate_chunk_elements
+from lit_memtrain.techniques.rms_norm import DEFAULT_CHUNK_ELEMENTS, apply_chunked_rms_norm, validate_chunk_elements
 
 __all__ = ["ChunkedRMSNorm"]
 

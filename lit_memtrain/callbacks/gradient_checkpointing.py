@@ -6,7 +6,7 @@ the fit starts, after ``configure_model`` (where sharded or LoRA models are ofte
 strategy has placed the model; the original forwards and ``config.use_cache`` are restored when the fit
 ends, so exporting or generating afterwards sees the plain model.
 
-What each mode keeps, and the transforms themselves: :mod:`lit_memtrain.checkpointing`.
+What each mode keeps, and the transforms themselves: :mod:`lit_memtrain.techniques.checkpointing`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from collections.abc import Callable
 from lightning.pytorch import Callback, LightningModule, Trainer
 from transformers import PretrainedConfig
 
-from lit_memtrain.checkpointing import apply_checkpointing
-from lit_memtrain.layers import find_decoder_layers
+from lit_memtrain.techniques.checkpointing import apply_checkpointing
+from lit_memtrain.models.layers import find_decoder_layers
 
 __all__ = ["GradientCheckpointing"]
 

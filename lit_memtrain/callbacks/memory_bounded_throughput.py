@@ -29,7 +29,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lit_memtrain.throughput import count_tokens
+from lit_memtrain.objectives.throughput import count_tokens
 
 GIB = 2**30
 

@@ -7,7 +7,7 @@ of that batch's forward, backward and optimizer step. On the CPU the process RSS
 
 ``snapshot_step=N`` records the CUDA allocator's history during optimizer step ``N`` (all its
 micro-batches) and writes ``memory_snapshot_step{N}.pickle`` (open it at pytorch.org/memory_viz) and
-``memory_timeline_step{N}.png`` (:func:`lit_memtrain.memory_timeline.render_memory_timeline`).
+``memory_timeline_step{N}.png`` (:func:`lit_memtrain.techniques.memory_timeline.render_memory_timeline`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
-from lit_memtrain.memory_timeline import render_memory_timeline
+from lit_memtrain.techniques.memory_timeline import render_memory_timeline
 
 __all__ = ["MemoryMonitor"]
 

@@ -5,7 +5,7 @@ classes, and a callback is how a run gains behaviour there (``trainer.callbacks`
 ``--trainer.callbacks+=lit_memtrain.callbacks.MemoryPlanCheck``); it works the same for a Python script
 that builds its own ``Trainer``, and it checks every fit instead of only the ones a user remembers to dry-run
 (``lit-memtrain plan`` takes the same arguments and is the dry run). ``setup`` is the last hook before
-Lightning calls ``configure_model``, where :class:`~lit_memtrain.module.CausalLMModule` builds the model and
+Lightning calls ``configure_model``, where :class:`~lit_memtrain.objectives.causal_lm.CausalLMModule` builds the model and
 loads the weights, so a configuration that cannot fit is caught before minutes of loading on a rented GPU.
 
 How: the module's arguments, the datamodule's ``max_length`` and ``batch_size``, the precision, the strategy and
@@ -27,7 +27,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lit_memtrain.model_builder import ModelRecipe
+from lit_memtrain.models.builder import ModelRecipe
 
 __all__ = ["MemoryPlanCheck"]
 
@@ -37,8 +37,8 @@ _GIB = 2**30
 class MemoryPlanCheck(Callback):
     """Simulate one training step of the fit before the model is built; warn (or stop) if it will not fit.
 
-    Needs a :class:`~lit_memtrain.module.CausalLMModule` and a datamodule with ``max_length`` and ``batch_size``
-    such as :class:`~lit_memtrain.datamodules.sft.SFTDataModule`, or a :class:`~lit_memtrain.dpo.DPOModule` and a
+    Needs a :class:`~lit_memtrain.objectives.causal_lm.CausalLMModule` and a datamodule with ``max_length`` and ``batch_size``
+    such as :class:`~lit_memtrain.datamodules.sft.SFTDataModule`, or a :class:`~lit_memtrain.objectives.dpo.DPOModule` and a
     :class:`~lit_memtrain.datamodules.preference.PreferenceDataModule`; other modules are skipped with a warning.
 
     Args:

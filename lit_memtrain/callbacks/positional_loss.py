@@ -29,10 +29,11 @@ from lightning.pytorch.loggers import WandbLogger
 from torch import Tensor
 from typing_extensions import override
 
+from lit_memtrain.datamodules.batch import IGNORE_INDEX, batch_targets
+
 if TYPE_CHECKING:  # imported where a plot is drawn: GPU machines may lack matplotlib
     from matplotlib.figure import Figure
 
-IGNORE_INDEX = -100
 DEFAULT_NUM_BUCKETS = 32
 
 
@@ -99,7 +100,7 @@ class PositionalLoss(Callback):
 
     Needs ``validation_step`` to return a dict with ``token_losses`` (1-D, one loss per trained target token)
     and ``token_positions`` (1-D, each of those tokens' position in its document), as
-    :class:`~lit_memtrain.module.CausalLMModule` does, and validation batches with unshifted ``labels``
+    :class:`~lit_memtrain.objectives.causal_lm.CausalLMModule` does, and validation batches with unshifted ``labels``
     (-100 = not trained) from which the target-token frequencies are counted, or, for the sequence shards of
     :class:`~lit_memtrain.strategies.ContextParallelStrategy`, their ``shift_labels`` (shifted on the whole row).
 
@@ -191,8 +192,7 @@ class PositionalLoss(Callback):
             size = int(positions.max()) + 1
             self._loss_sums = _grow(self._loss_sums, size).index_add(0, positions, losses.to(self._loss_sums.dtype))
             self._counts = _grow(self._counts, size).index_add(0, positions, torch.ones_like(positions))
-        # A context-parallel shard carries its targets already shifted (on the whole row) as shift_labels.
-        targets = batch["shift_labels"].flatten() if "shift_labels" in batch else batch["labels"][..., 1:].flatten()
+        targets = batch_targets(batch).flatten()
         targets = targets[targets != IGNORE_INDEX]
         if targets.numel():
             vocabulary = max(int(targets.max()) + 1, self._token_counts.numel())

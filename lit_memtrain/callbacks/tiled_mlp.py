@@ -6,7 +6,7 @@ LightningModule holding a Hugging Face causal LM. The MLPs are found when the fi
 chunked loss in any order.
 
 Why and how tiles save memory, the tile count rule, and mixture-of-experts layers (their experts are tiled,
-the router runs whole): :mod:`lit_memtrain.tiled_mlp`.
+the router runs whole): :mod:`lit_memtrain.techniques.tiled_mlp`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lit_memtrain.layers import find_decoder_layers
-from lit_memtrain.tiled_mlp import apply_tiled_mlp, validate_num_tiles
+from lit_memtrain.models.layers import find_decoder_layers
+from lit_memtrain.techniques.tiled_mlp import apply_tiled_mlp, validate_num_tiles
 
 __all__ = ["TiledMLP"]
 

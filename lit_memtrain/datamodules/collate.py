@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from lit_memtrain.datamodules.tokenize import IGNORE_INDEX
+from lit_memtrain.datamodules.batch import IGNORE_INDEX
 
 
 def round_up(value: int, multiple: int | None) -> int:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lit_memtrain.datamodules.tokenize import IGNORE_INDEX
+from lit_memtrain.datamodules.batch import IGNORE_INDEX
 
 
 class PaddingFreeCollator:

@@ -29,7 +29,7 @@ from lit_memtrain.datamodules.sft import _template_error
 from lit_memtrain.datamodules.sources import RawData, RowLocator
 from lit_memtrain.datamodules.splits import check_validation_args, hold_out, load_splits
 from lit_memtrain.datamodules.tokenize import TokenCounts
-from lit_memtrain.tokenizer import load_tokenizer
+from lit_memtrain.datamodules.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
     from datasets import Dataset

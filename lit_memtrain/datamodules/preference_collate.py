@@ -17,7 +17,7 @@ import torch
 
 from lit_memtrain.datamodules.collate import PaddedCollator
 from lit_memtrain.datamodules.padding_free import PaddingFreeCollator
-from lit_memtrain.datamodules.tokenize import IGNORE_INDEX
+from lit_memtrain.datamodules.batch import IGNORE_INDEX
 
 REFERENCE_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from lit_memtrain.datamodules.tokenize import IGNORE_INDEX, ExampleError, _field, tokenize_prompt_completion
+from lit_memtrain.datamodules.tokenize import ExampleError, _field, tokenize_prompt_completion
+from lit_memtrain.datamodules.batch import IGNORE_INDEX
 
 TruncationMode = Literal["keep_start", "keep_end"]
 PREFERENCE_COLUMNS = ("chosen", "rejected")

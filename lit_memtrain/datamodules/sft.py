@@ -32,7 +32,7 @@ from lit_memtrain.datamodules.resumable_datamodule import ResumableDataModule
 from lit_memtrain.datamodules.sources import RawData, RowLocator, load_raw_dataset, raise_for_invalid_json
 from lit_memtrain.datamodules.splits import check_validation_args, hold_out, load_splits
 from lit_memtrain.datamodules.tokenize import DatasetFormat, TokenCounts, detect_format, tokenize_example
-from lit_memtrain.tokenizer import load_tokenizer
+from lit_memtrain.datamodules.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:  # pyarrow and datasets are imported where data is read: the module imports without them
     from datasets import Dataset

@@ -26,7 +26,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-IGNORE_INDEX = -100
+from lit_memtrain.datamodules.batch import IGNORE_INDEX
+
 DatasetFormat = Literal["auto", "text", "prompt_completion", "conversational"]
 FORMATS: dict[str, tuple[str, ...]] = {
     "text": ("text",),

@@ -18,6 +18,12 @@ import argparse
 import json
 import sys
 import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lit_memtrain.planner.report import PlanReport
+    from lit_memtrain.planner.settings import PlanSettings
 
 __all__ = ["main"]
 
@@ -52,8 +58,14 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run ``lit-memtrain plan``; returns the exit status (0, or 2 for a configuration it cannot plan)."""
+def main(
+    argv: list[str] | None = None, read_fit_arguments: Callable[[list[str]], PlanSettings] | None = None
+) -> int:
+    """Run ``lit-memtrain plan``; returns the exit status (0, or 2 for a configuration it cannot plan).
+
+    ``read_fit_arguments`` turns ``fit`` arguments into settings (the command line's LightningCLI parser,
+    :func:`lit_memtrain.cli.plan.read_fit_config`); without it only ``--settings`` is accepted.
+    """
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = _parser()
     if any(arg in ("-h", "--help") for arg in argv):
@@ -61,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     options, fit_args = parser.parse_known_args(argv)
     try:
-        report = _plan(options, fit_args)
+        report = _plan(options, fit_args, read_fit_arguments)
     except (ValueError, TypeError, OSError, argparse.ArgumentError) as error:
         print(f"lit-memtrain plan: error: {error}", file=sys.stderr)
         return 2
@@ -69,7 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _plan(options: argparse.Namespace, fit_args: list[str]):
+def _plan(
+    options: argparse.Namespace,
+    fit_args: list[str],
+    read_fit_arguments: Callable[[list[str]], PlanSettings] | None,
+) -> PlanReport:
     # The stand-in device must be registered before anything in this process runs autograd.
     from lit_memtrain.planner.simulate import stand_in_device
 
@@ -85,8 +101,10 @@ def _plan(options: argparse.Namespace, fit_args: list[str]):
             raise ValueError(f"--settings takes no fit arguments, got {fit_args}.")
         with open(options.settings) as file:
             settings = PlanSettings.from_dict(json.load(file))
+    elif read_fit_arguments is None:
+        raise ValueError("Give --settings FILE.json, or run `lit-memtrain plan` with fit arguments.")
     else:
-        settings = _read_fit_arguments(fit_args)
+        settings = read_fit_arguments(fit_args)
     settings = _with_context_parallel(settings, options.context_parallel_size, options.context_parallel_method)
     budget = gpu_budget(options.gpu_memory, DEFAULT_MARGIN if options.margin is None else options.margin)
     planner = Planner(settings, budget)
@@ -132,14 +150,6 @@ def _with_context_parallel(settings, size: int | None, method: str | None):
     if method is not None:
         changes["context_parallel_method"] = method
     return settings.replace(strategy=dataclasses.replace(strategy, **changes))
-
-
-def _read_fit_arguments(fit_args: list[str]):
-    from lit_memtrain.planner.fit_config import read_fit_config
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
-        return read_fit_config(fit_args)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,11 @@
-"""Reading a ``fit`` configuration into :class:`~lit_memtrain.planner.settings.PlanSettings`.
+"""A parsed ``fit`` configuration as :class:`~lit_memtrain.planner.settings.PlanSettings`.
 
-Why through LightningCLI's own parser: a plan must read exactly what ``lit-memtrain fit`` reads (the same
-``--config`` files, ``--model.*``/``--data.*``/``--trainer.*`` overrides, ``--trainer.callbacks+=``, the
-``--key=value`` forms of a sweep agent, the link from ``data.tokenizer`` to ``model.tokenizer``), so it parses
-with :class:`lit_memtrain.cli.MemTrainCLI` and stops before anything is instantiated: no tokenizer, dataset,
-Trainer or weights are loaded, and a config written for a GPU (``accelerator: gpu``) parses on a laptop. A
+The configuration comes as LightningCLI parses it (:func:`lit_memtrain.cli.plan.read_fit_config`), as plain
+dicts: nothing is instantiated, so no tokenizer, dataset, Trainer or weights are loaded. A
 config that names its classes (``model: {class_path: lit_memtrain.DPOModule, ...}``, as ``configs/dpo.yaml``
 does) is parsed as ``fit`` parses it, and planned when its classes are ones whose step the planner knows:
-:class:`~lit_memtrain.module.CausalLMModule` on :class:`~lit_memtrain.datamodules.sft.SFTDataModule` rows, or
-:class:`~lit_memtrain.dpo.DPOModule` on :class:`~lit_memtrain.datamodules.preference.PreferenceDataModule` pairs
+:class:`~lit_memtrain.objectives.causal_lm.CausalLMModule` on :class:`~lit_memtrain.datamodules.sft.SFTDataModule` rows, or
+:class:`~lit_memtrain.objectives.dpo.DPOModule` on :class:`~lit_memtrain.datamodules.preference.PreferenceDataModule` pairs
 (or subclasses that keep that step); any other is refused with what to give instead.
 """
 
@@ -27,7 +24,7 @@ from lit_memtrain.planner.settings import (
     normalise_precision,
 )
 
-__all__ = ["planned_module_class", "read_fit_config", "settings_from_config", "settings_from_trainer", "strategy_spec"]
+__all__ = ["planned_module_class", "settings_from_config", "settings_from_trainer", "strategy_spec"]
 
 _SINGLE_PROCESS = ("single_device", "singledevice", "singledevicestrategy")
 # What the simulated step runs of CausalLMModule and DPOModule: a subclass that overrides one of these trains differently.
@@ -40,41 +37,6 @@ _DATA_OF = {
     CAUSAL_LM_MODULE: "lit_memtrain.datamodules.sft.SFTDataModule",
     DPO_MODULE: "lit_memtrain.datamodules.preference.PreferenceDataModule",
 }
-
-
-def read_fit_config(args: list[str]) -> PlanSettings:
-    """Parse ``lit-memtrain fit`` arguments (without the ``fit`` subcommand) into plan settings.
-
-    Example:
-        >>> read_fit_config(["--config", "configs/long_context.yaml", "--data.max_length=262144"])  # doctest: +SKIP
-    """
-    from lightning.pytorch import LightningDataModule
-
-    from lit_memtrain.cli import MemTrainCLI, names_model_class
-    from lit_memtrain.datamodules.sft import SFTDataModule
-    from lit_memtrain.module import CausalLMModule
-
-    class FitConfigReader(MemTrainCLI):
-        def add_arguments_to_parser(self, parser) -> None:
-            super().add_arguments_to_parser(parser)
-            parser.add_argument("--ckpt_path", type=str | None, default=None, help="ignored by the planner")
-
-        def instantiate_classes(self) -> None:
-            pass
-
-    by_class_path = names_model_class(args)  # as `lit-memtrain fit` chooses
-    reader = FitConfigReader(
-        CausalLMModule,
-        LightningDataModule if by_class_path else SFTDataModule,
-        subclass_mode_model=by_class_path,
-        subclass_mode_data=by_class_path,
-        args=args,
-        run=False,
-        auto_configure_optimizers=False,
-        save_config_callback=None,
-        parser_kwargs={"prog": "lit-memtrain plan", "exit_on_error": False},
-    )
-    return settings_from_config(reader.config.as_dict())
 
 
 def settings_from_config(config: dict[str, Any]) -> PlanSettings:
@@ -117,8 +79,8 @@ def planned_module_class(model_class: str | type) -> str:
     Raises:
         ValueError: another class, or a subclass that overrides what the step runs, with what to plan instead.
     """
-    from lit_memtrain.dpo import DPOModule
-    from lit_memtrain.module import CausalLMModule
+    from lit_memtrain.objectives.dpo import DPOModule
+    from lit_memtrain.objectives.causal_lm import CausalLMModule
 
     cls = _resolve(model_class, "model")
     base = next((known for known in (DPOModule, CausalLMModule) if issubclass(cls, known)), None)

@@ -8,11 +8,11 @@ done here by the code a run uses, on fake tensors, as rank 0 of a fake process g
 (every rank holds the same, up to padding; collectives move no data, their buffers are allocated as on a GPU):
 
 - the mesh is ``(data_parallel, context_parallel)``, context parallel innermost, and the model is sharded
-  over both (flattened) by :func:`~lit_memtrain.strategies.parallelize.parallelize` with the strategy's
+  over both (flattened) by :func:`~lit_memtrain.parallel.fsdp.parallelize` with the strategy's
   ``MixedPrecisionPolicy`` and ``CPUOffloadPolicy``, as ``FSDP2Strategy`` and ``ContextParallelStrategy`` do;
 - with ``context_parallel_size > 1`` the batch is cut by
-  :func:`~lit_memtrain.context_parallel.shard_batch` (``sequence / cp`` tokens per rank after the padding the
-  method needs) and the attention is :func:`~lit_memtrain.context_parallel.install_attention`'s:
+  :func:`~lit_memtrain.parallel.context_parallel.shard_batch` (``sequence / cp`` tokens per rank after the padding the
+  method needs) and the attention is :func:`~lit_memtrain.parallel.context_parallel.install_attention`'s:
   Ulysses' all-to-alls (each rank attends over the whole sequence with ``heads / cp`` heads, inner kernel
   ``sdpa_by_document``), or ring's all-gathered keys and values (``ring_backend="all_gather"``, the
   document-aware path: the whole row's K/V per layer, kept for backward unless the layer is checkpointed;
@@ -39,11 +39,11 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.nn.attention.bias import CausalBias
 
-from lit_memtrain.context_parallel import check_context_parallel, install_attention, shard_batch
+from lit_memtrain.parallel.context_parallel import check_context_parallel, install_attention, shard_batch
 from lit_memtrain.planner.settings import StrategySpec
 from lit_memtrain.planner.sharded import fake_process_group
 from lit_memtrain.planner.simulate import STAND_IN_DEVICE, stand_in_device
-from lit_memtrain.strategies.parallelize import parallelize
+from lit_memtrain.parallel.fsdp import parallelize
 
 __all__ = ["RankSetup", "check_strategy", "device_mesh", "flash_sdpa", "set_up_rank", "shard_model"]
 

@@ -31,8 +31,8 @@ __all__ = [
 
 SIMULATED_CALLBACKS = (GradientCheckpointing, TiledMLP, ActivationOffloading, ChunkedRMSNorm)
 # The modules whose training step a plan simulates: SFT (cross-entropy) and DPO (a pair's two sequences per step).
-CAUSAL_LM_MODULE = "lit_memtrain.module.CausalLMModule"
-DPO_MODULE = "lit_memtrain.dpo.DPOModule"
+CAUSAL_LM_MODULE = "lit_memtrain.objectives.causal_lm.CausalLMModule"
+DPO_MODULE = "lit_memtrain.objectives.dpo.DPOModule"
 
 _PRECISIONS = {
     "32": "32-true", "32-true": "32-true", "64": "64-true", "64-true": "64-true",
@@ -60,7 +60,7 @@ def normalise_precision(precision: str | int | None) -> str:
 
 def init_parameters(cls: type) -> set[str]:
     """The ``__init__`` arguments of ``cls`` by name, with those of the classes it passes ``**kwargs`` on to (a
-    :class:`~lit_memtrain.dpo.DPOModule` takes every :class:`~lit_memtrain.module.CausalLMModule` argument)."""
+    :class:`~lit_memtrain.objectives.dpo.DPOModule` takes every :class:`~lit_memtrain.objectives.causal_lm.CausalLMModule` argument)."""
     names: set[str] = set()
     for klass in cls.__mro__:
         if "__init__" not in vars(klass):
@@ -157,7 +157,7 @@ class PlanSettings:
     """One training step's configuration, as far as its memory is concerned.
 
     Attributes:
-        module: :class:`~lit_memtrain.module.CausalLMModule` arguments (``model``/``preset``/``config``,
+        module: :class:`~lit_memtrain.objectives.causal_lm.CausalLMModule` arguments (``model``/``preset``/``config``,
             ``dtype``, ``loss_type``, ``lora``...).
         precision: Lightning's unified precision name (``"bf16-mixed"``, ``"32-true"``...).
         callbacks: the configured callbacks; those in :data:`SIMULATED_CALLBACKS` change the step and are

@@ -27,12 +27,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from transformers import PretrainedConfig
 
-from lit_memtrain.checkpointing import apply_checkpointing
-from lit_memtrain.layers import find_decoder_layers
-from lit_memtrain.loss import chunked_cross_entropy, cross_entropy
+from lit_memtrain.techniques.checkpointing import apply_checkpointing
+from lit_memtrain.models.layers import find_decoder_layers
+from lit_memtrain.techniques.loss import chunked_cross_entropy, cross_entropy
 from lit_memtrain.planner.simulate import Checkpointing, MemoryReport, fake_causal_lm, measure_peak, stand_in_device
-from lit_memtrain.strategies.parallelize import parallelize, run_inside_forward
-from lit_memtrain.tiled_mlp import apply_tiled_mlp
+from lit_memtrain.parallel.fsdp import parallelize, run_inside_forward
+from lit_memtrain.techniques.tiled_mlp import apply_tiled_mlp
 
 __all__ = ["fake_process_group", "simulate_sharded_step"]
 
@@ -88,7 +88,7 @@ def simulate_sharded_step(
     """Simulate one FSDP2 training step of a causal LM and return rank 0's device and host peaks.
 
     Args:
-        config: a ``transformers`` config or a preset name (see :mod:`lit_memtrain.presets`).
+        config: a ``transformers`` config or a preset name (see :mod:`lit_memtrain.models.presets`).
         seq_len: tokens in each rank's row.
         world_size: ranks the model is sharded over.
         cpu_offload: keep sharded parameters, gradients and AdamW state in host memory (the optimizer

@@ -6,8 +6,8 @@ real model code on tensors that have shapes, dtypes and devices but no storage, 
 :class:`~lit_memtrain.planner.tracker.MemoryTracker` records the bytes alive on each device, by kind, at every
 operation, with the phase of the step (forward or backward of which decoder layer, loss, optimizer step).
 What runs is the real code path: the Hugging Face model, the techniques applied by the same functions the
-callbacks use (:func:`~lit_memtrain.checkpointing.apply_checkpointing`,
-:func:`~lit_memtrain.tiled_mlp.apply_tiled_mlp`), the losses of :mod:`lit_memtrain.loss`, autograd and AdamW.
+callbacks use (:func:`~lit_memtrain.techniques.checkpointing.apply_checkpointing`,
+:func:`~lit_memtrain.techniques.tiled_mlp.apply_tiled_mlp`), the losses of :mod:`lit_memtrain.techniques.loss`, autograd and AdamW.
 :mod:`lit_memtrain.planner.step` runs a whole ``fit`` step the same way, through ``CausalLMModule``.
 
 How, and what it assumes:
@@ -31,7 +31,7 @@ How, and what it assumes:
   from the third on each tile still holds the previous tile's gradients while computing its own). So only the
   first three tiles and the last (possibly shorter) are simulated: the peak is exactly that of all tiles, at a
   small fraction of the operations (a 36-layer model at 1M tokens runs ~9,000 tiles otherwise, most of a
-  simulation's time). The chunks of the chunked RMSNorm (:mod:`lit_memtrain.rms_norm`) likewise: each frees
+  simulation's time). The chunks of the chunked RMSNorm (:mod:`lit_memtrain.techniques.rms_norm`) likewise: each frees
   its temporaries before the next, the output and the weight's fp32 gradient exist before the first.
 - Params, gradients and AdamW state are all in ``dtype`` (bf16 by default, as Lightning's
   ``precision="bf16-true"``); the optimizer state exists before the step, as in every step after the
@@ -58,15 +58,15 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.modeling_utils import AttentionInterface
 
-import lit_memtrain.rms_norm
-import lit_memtrain.tiled_mlp
-from lit_memtrain.checkpointing import apply_checkpointing
-from lit_memtrain.layers import find_decoder_layers
-from lit_memtrain.loss import chunked_cross_entropy, cross_entropy
+import lit_memtrain.techniques.rms_norm
+import lit_memtrain.techniques.tiled_mlp
+from lit_memtrain.techniques.checkpointing import apply_checkpointing
+from lit_memtrain.models.layers import find_decoder_layers
+from lit_memtrain.techniques.loss import chunked_cross_entropy, cross_entropy
 from lit_memtrain.planner.autocast import register_stand_in_autocast
 from lit_memtrain.planner.tracker import MemoryTracker
-from lit_memtrain.presets import build_config
-from lit_memtrain.tiled_mlp import apply_tiled_mlp
+from lit_memtrain.models.presets import build_config
+from lit_memtrain.techniques.tiled_mlp import apply_tiled_mlp
 
 __all__ = [
     "MemoryReport",
@@ -340,7 +340,7 @@ def tiles_simulated_once() -> Iterator[None]:
     """Run only the first three tiles and the last of each tiled MLP and chunked RMSNorm (see the module
     docstring for why the peak is exact). For fake tensors only: on real ones the other tiles' outputs would be
     left empty."""
-    tile_bounds, chunk_bounds = lit_memtrain.tiled_mlp._tile_bounds, lit_memtrain.rms_norm._chunk_bounds
+    tile_bounds, chunk_bounds = lit_memtrain.techniques.tiled_mlp._tile_bounds, lit_memtrain.techniques.rms_norm._chunk_bounds
 
     def first_three_and_last(bounds_of: Callable[[int, int], list[tuple[int, int]]]):
         def bounds(length: int, count: int) -> list[tuple[int, int]]:
@@ -349,13 +349,13 @@ def tiles_simulated_once() -> Iterator[None]:
 
         return bounds
 
-    lit_memtrain.tiled_mlp._tile_bounds = first_three_and_last(tile_bounds)
-    lit_memtrain.rms_norm._chunk_bounds = first_three_and_last(chunk_bounds)
+    lit_memtrain.techniques.tiled_mlp._tile_bounds = first_three_and_last(tile_bounds)
+    lit_memtrain.techniques.rms_norm._chunk_bounds = first_three_and_last(chunk_bounds)
     try:
         yield
     finally:
-        lit_memtrain.tiled_mlp._tile_bounds = tile_bounds
-        lit_memtrain.rms_norm._chunk_bounds = chunk_bounds
+        lit_memtrain.techniques.tiled_mlp._tile_bounds = tile_bounds
+        lit_memtrain.techniques.rms_norm._chunk_bounds = chunk_bounds
 
 
 @contextlib.contextmanager
@@ -363,17 +363,17 @@ def norm_probes_on_real_tensors() -> Iterator[None]:
     """Run the chunked RMSNorm's probe on real CPU tensors while fake ones are being simulated: the probe
     swaps in a weight of its own and compares values, which fake tensors have none of; its verdict decides
     which norms are replaced, so the plan gets the same ones as the run."""
-    probe = lit_memtrain.rms_norm._probe
+    probe = lit_memtrain.techniques.rms_norm._probe
 
     def on_real_tensors(norm: torch.nn.Module) -> str | None:
         with unset_fake_temporarily():
             return probe(norm)
 
-    lit_memtrain.rms_norm._probe = on_real_tensors
+    lit_memtrain.techniques.rms_norm._probe = on_real_tensors
     try:
         yield
     finally:
-        lit_memtrain.rms_norm._probe = probe
+        lit_memtrain.techniques.rms_norm._probe = probe
 
 
 def _step_loss(model: PreTrainedModel, input_ids: Tensor, position_ids: Tensor, targets: Tensor, loss: str) -> Tensor:
@@ -421,7 +421,7 @@ def simulate_step(
     """Simulate forward, loss, backward and an AdamW step of a causal LM and return its peak memory.
 
     Args:
-        config: a ``transformers`` config or a preset name (see :mod:`lit_memtrain.presets`).
+        config: a ``transformers`` config or a preset name (see :mod:`lit_memtrain.models.presets`).
         seq_len: tokens per row.
         batch_size: rows per step.
         dtype: dtype of parameters, activations, gradients and optimizer state.
@@ -429,7 +429,7 @@ def simulate_step(
         checkpointing: ``None``, ``"full"``, ``"selective"`` (keep attention outputs) or ``"offload"``
             (full, with each layer's input in host memory).
         tiled_mlp: run each decoder layer's MLP over the sequence in tiles.
-        mlp_tiles: tiles per MLP call; ``None`` uses :func:`lit_memtrain.tiled_mlp.mlp_tiles`.
+        mlp_tiles: tiles per MLP call; ``None`` uses :func:`lit_memtrain.techniques.tiled_mlp.mlp_tiles`.
         optimizer: include AdamW state and its step.
 
     Example:

@@ -25,7 +25,7 @@ What differs from a GPU run, on purpose:
 - AdamW is fused, as ``configure_optimizers`` chooses on CUDA (the stand-in device is not CUDA).
 - Rows are full (``max_length`` tokens, every target trainable) and passed without ``position_ids`` (one
   document per row; transformers builds the same positions itself).
-- A :class:`~lit_memtrain.dpo.DPOModule` step is its ``pair_loss`` (what its ``training_step`` returns): the
+- A :class:`~lit_memtrain.objectives.dpo.DPOModule` step is its ``pair_loss`` (what its ``training_step`` returns): the
   policy over the ``2 x batch_size`` sequences of the pairs (chosen and rejected, each ``max_length`` tokens;
   padding-free, all of them in one row), the completion log-probabilities, and the reference's: read from the
   batch when precomputed (the pass before training runs without gradients and is not simulated, like validation),
@@ -46,9 +46,9 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
-from lit_memtrain.layers import find_decoder_layers
-from lit_memtrain.lora import LoraSettings, apply_lora
-from lit_memtrain.model_builder import DTYPES, ModelRecipe, causal_lm_config
+from lit_memtrain.models.layers import find_decoder_layers
+from lit_memtrain.models.lora import LoraSettings, apply_lora
+from lit_memtrain.models.builder import DTYPES, ModelRecipe, causal_lm_config
 from lit_memtrain.planner.per_rank import check_strategy, device_mesh, flash_sdpa, set_up_rank, shard_model
 from lit_memtrain.planner.settings import SIMULATED_CALLBACKS, PlanSettings, init_parameters
 from lit_memtrain.planner.simulate import (
@@ -60,7 +60,7 @@ from lit_memtrain.planner.simulate import (
     stand_in_device,
     tiles_simulated_once,
 )
-from lit_memtrain.probes import LogitTransform
+from lit_memtrain.objectives.probes import LogitTransform
 
 __all__ = ["StepSimulation", "simulate_fit_step"]
 
@@ -179,7 +179,7 @@ def simulate_fit_step(settings: PlanSettings, max_length: int | None = None) -> 
 
 
 def _resolve_module_class(class_path: str) -> type:
-    """:class:`~lit_memtrain.module.CausalLMModule` or :class:`~lit_memtrain.dpo.DPOModule` (the settings checked
+    """:class:`~lit_memtrain.objectives.causal_lm.CausalLMModule` or :class:`~lit_memtrain.objectives.dpo.DPOModule` (the settings checked
     that the path names one of them)."""
     import importlib
 
@@ -249,7 +249,7 @@ def _local_tokenizer(name: str):
     from pathlib import Path
 
     from lit_memtrain.datamodules.embedded import EMBEDDED
-    from lit_memtrain.tokenizer import load_tokenizer
+    from lit_memtrain.datamodules.tokenizer import load_tokenizer
 
     if name == EMBEDDED or Path(name).exists():
         return load_tokenizer(name)

@@ -8,11 +8,11 @@ belong to how the ranks are organised, not to the model or the loss:
   gradients are reduced over every rank. Lightning's sampler splits rows over ``data_parallel`` only: every rank
   of a group loads the same rows.
 - *Each batch is sharded along the sequence* as it reaches the device (:meth:`batch_to_device`, with
-  :func:`~lit_memtrain.context_parallel.shard_batch`): targets shifted on the whole row first (``shift_labels``,
+  :func:`~lit_memtrain.parallel.context_parallel.shard_batch`): targets shifted on the whole row first (``shift_labels``,
   which the module takes as they are), rows padded to what the method needs (logged once, in tokens), global
   position ids (RoPE and YaRN rotate each token as on one process) and the row's document bounds, handed to
   the attention installed on the model. Validation batches are sharded the same way.
-- *Attention* is swapped for Ulysses or ring (:func:`~lit_memtrain.context_parallel.install_attention`) at the
+- *Attention* is swapped for Ulysses or ring (:func:`~lit_memtrain.parallel.context_parallel.install_attention`) at the
   first batch, after the module's setup probes ran with the model's own attention, and restored when training
   ends.
 - *The loss* needs nothing new: the module divides each micro-batch's loss by the step's trainable tokens
@@ -40,8 +40,8 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from typing_extensions import override
 
-from lit_memtrain.attention import SDPA_BY_DOCUMENT
-from lit_memtrain.context_parallel import (
+from lit_memtrain.techniques.attention import SDPA_BY_DOCUMENT
+from lit_memtrain.parallel.context_parallel import (
     INNER_ATTENTIONS,
     METHODS,
     RING_BACKENDS,
@@ -54,9 +54,9 @@ from lit_memtrain.context_parallel import (
     shard_batch,
     torch_ring_attention,
 )
-from lit_memtrain.moe import router_aux_coefficient
+from lit_memtrain.models.moe import router_aux_coefficient
 from lit_memtrain.strategies.fsdp2 import FSDP2Strategy
-from lit_memtrain.throughput import attention_pairs
+from lit_memtrain.objectives.throughput import attention_pairs
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -195,7 +195,7 @@ class ContextParallelStrategy(FSDP2Strategy):
         # Head counts are checked from the module's config before any process group exists or any weight is read.
         recipe = getattr(self.lightning_module, "recipe", None)
         if recipe is not None and self.context_parallel_size > 1:
-            from lit_memtrain.model_builder import causal_lm_config
+            from lit_memtrain.models.builder import causal_lm_config
 
             config = causal_lm_config(recipe, getattr(self.lightning_module, "tokenizer", None))
             check_context_parallel(config, self.context_parallel_size, self.method)
@@ -228,7 +228,7 @@ class ContextParallelStrategy(FSDP2Strategy):
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        """This rank's shard of ``batch`` (see :func:`~lit_memtrain.context_parallel.shard_batch`), on the device."""
+        """This rank's shard of ``batch`` (see :func:`~lit_memtrain.parallel.context_parallel.shard_batch`), on the device."""
         if self.context_parallel_size == 1:
             return super().batch_to_device(batch, device, dataloader_idx)
         if not isinstance(batch, dict):

@@ -6,7 +6,7 @@ is sharded or reduced, silently. Here the data-parallel size is the world size u
 parallelism is refused before any work, and the FSDP2 options (mixed precision, resharding, host offload)
 are arguments a config can set. The strategy owns the mesh and the sharding options; the LightningModule
 builds its model in ``configure_model`` and hands it to :meth:`FSDP2Strategy.parallelize`
-(:class:`~lit_memtrain.module.CausalLMModule` does; see :mod:`lit_memtrain.strategies.parallelize`).
+(:class:`~lit_memtrain.objectives.causal_lm.CausalLMModule` does; see :mod:`lit_memtrain.parallel.fsdp`).
 
 ``cpu_offload=True`` keeps the fp32 sharded parameters, their gradients and the optimizer state in host
 memory and runs the optimizer step on the CPU; the device holds the layer being computed (in the
@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
 from typing_extensions import override
 
-from lit_memtrain.strategies.parallelize import parallelize
+from lit_memtrain.parallel.fsdp import parallelize
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

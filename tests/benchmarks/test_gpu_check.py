@@ -117,7 +117,7 @@ def test_the_package_and_every_gpu_script_import_without_the_optional_packages_a
     bare = tmp_path / "bare"
     bare.mkdir()
     (bare / "sitecustomize.py").write_text(_WITHOUT_PACKAGES.format(absent=(*ABSENT, "matplotlib")))
-    modules = ["lit_memtrain", "lit_memtrain.module", "lit_memtrain.callbacks", "lit_memtrain.planner.simulate"]
+    modules = ["lit_memtrain", "lit_memtrain.objectives.causal_lm", "lit_memtrain.callbacks", "lit_memtrain.planner.simulate"]
     modules += sorted(path.stem for path in GPU.glob("*.py"))
     code = f"import importlib, sys; sys.path.insert(0, {str(GPU)!r})\nfor name in {modules!r}: importlib.import_module(name)"
     result = subprocess.run(

@@ -20,12 +20,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from transformers import AutoModelForCausalLM
 
 from lit_memtrain.callbacks.activation_offloading import ActivationOffloading
-from lit_memtrain.checkpointing import apply_checkpointing
-from lit_memtrain.layers import find_decoder_layers
-from lit_memtrain.loss import chunked_cross_entropy
-from lit_memtrain.offload import ActivationOffloader
-from lit_memtrain.presets import build_config
-from lit_memtrain.tiled_mlp import apply_tiled_mlp
+from lit_memtrain.techniques.checkpointing import apply_checkpointing
+from lit_memtrain.models.layers import find_decoder_layers
+from lit_memtrain.techniques.loss import chunked_cross_entropy
+from lit_memtrain.techniques.offload import ActivationOffloader
+from lit_memtrain.models.presets import build_config
+from lit_memtrain.techniques.tiled_mlp import apply_tiled_mlp
 
 B, S, H, I, V, LAYERS = 2, 32, 16, 24, 50, 3
 
@@ -217,7 +217,7 @@ def test_cpu_tensors_stay_without_test_mode():
 
 
 def test_warns_once_when_host_ram_is_high(monkeypatch):
-    monkeypatch.setattr("lit_memtrain.offload._host_ram_percent", lambda: 75.0)
+    monkeypatch.setattr("lit_memtrain.techniques.offload._host_ram_percent", lambda: 75.0)
     model = PlainLM()
     offloader = ActivationOffloader(model, offload_cpu_tensors_for_testing=True)
     with pytest.warns(UserWarning, match="Host RAM is 75% used"):
@@ -250,8 +250,8 @@ def test_model_without_layers_is_refused():
 _SIMULATION = """
 import json
 import lit_memtrain.planner.simulate as simulate
-from lit_memtrain.offload import ActivationOffloader
-from lit_memtrain.presets import build_config
+from lit_memtrain.techniques.offload import ActivationOffloader
+from lit_memtrain.models.presets import build_config
 
 config = build_config("qwen3-4b", {"num_hidden_layers": 3})
 baseline = simulate.simulate_step(config, 65536, loss="plain", checkpointing="full")

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from lit_memtrain.allocator import ALLOC_CONF_VARIABLES, EXPANDABLE_SEGMENTS, enable_expandable_segments
+from lit_memtrain.techniques.allocator import ALLOC_CONF_VARIABLES, EXPANDABLE_SEGMENTS, enable_expandable_segments
 from lit_memtrain.callbacks.allocator_settings import AllocatorSettings
 
 

@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from transformers import AutoModelForCausalLM, GemmaConfig
 
 from lit_memtrain.callbacks import ChunkedRMSNorm, GradientCheckpointing, TiledMLP
-from lit_memtrain.presets import build_config
+from lit_memtrain.models.presets import build_config
 
 
 class UserModule(L.LightningModule):

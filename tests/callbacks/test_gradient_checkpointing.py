@@ -13,13 +13,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 from transformers import AutoModelForCausalLM
 
-import lit_memtrain.checkpointing as checkpointing
+import lit_memtrain.techniques.checkpointing as checkpointing
 from lit_memtrain.callbacks.gradient_checkpointing import GradientCheckpointing
 from lit_memtrain.callbacks.tiled_mlp import TiledMLP
-from lit_memtrain.checkpointing import apply_checkpointing, attention_ops
-from lit_memtrain.layers import find_decoder_layers
-from lit_memtrain.loss import cross_entropy
-from lit_memtrain.presets import build_config
+from lit_memtrain.techniques.checkpointing import apply_checkpointing, attention_ops
+from lit_memtrain.models.layers import find_decoder_layers
+from lit_memtrain.techniques.loss import cross_entropy
+from lit_memtrain.models.presets import build_config
 
 PRESETS = ["tiny-qwen3", "tiny-llama"]
 MODES = {"full": {}, "selective": {"selective": True}, "offload": {"offload": True}}

@@ -8,8 +8,8 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
 from lit_memtrain.callbacks.memory_bounded_throughput import MemoryBoundedThroughput
-from lit_memtrain.module import CausalLMModule
-from lit_memtrain.presets import build_config
+from lit_memtrain.objectives.causal_lm import CausalLMModule
+from lit_memtrain.models.presets import build_config
 
 
 def _batches(lengths: list[int]) -> list[dict[str, torch.Tensor]]:
@@ -117,7 +117,7 @@ def test_works_on_a_users_own_module_and_never_imports_ours(tmp_path):
         node.module for node in ast.walk(ast.parse(Path(callback_module.__file__).read_text()))
         if isinstance(node, ast.ImportFrom)
     }
-    assert "lit_memtrain.module" not in imported
+    assert "lit_memtrain.objectives.causal_lm" not in imported
     torch.manual_seed(0)
     trainer = Trainer(
         accelerator="cpu", max_steps=4, log_every_n_steps=1, logger=CSVLogger(tmp_path, name="", version=""),

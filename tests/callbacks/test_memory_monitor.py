@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lit_memtrain.callbacks.memory_monitor import MemoryMonitor
-from lit_memtrain.memory_timeline import allocation_intervals, render_memory_timeline
+from lit_memtrain.techniques.memory_timeline import allocation_intervals, render_memory_timeline
 
 MIB = 2**20
 

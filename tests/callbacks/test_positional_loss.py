@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from lit_memtrain.callbacks.positional_loss import PositionalLoss, PositionBucket, plot_loss_by_position
 from lit_memtrain.datamodules.sft import SFTDataModule
-from lit_memtrain.module import CausalLMModule
+from lit_memtrain.objectives.causal_lm import CausalLMModule
 
 
 class RecordingLogger(Logger):

@@ -10,11 +10,11 @@ from torch import Tensor, nn
 from transformers import AutoModelForCausalLM
 
 from lit_memtrain.callbacks.tiled_mlp import TiledMLP
-from lit_memtrain.checkpointing import apply_checkpointing
-from lit_memtrain.layers import find_decoder_layers
-from lit_memtrain.loss import chunked_cross_entropy, cross_entropy
-from lit_memtrain.presets import build_config
-from lit_memtrain.tiled_mlp import apply_tiled_mlp, mlp_tiles
+from lit_memtrain.techniques.checkpointing import apply_checkpointing
+from lit_memtrain.models.layers import find_decoder_layers
+from lit_memtrain.techniques.loss import chunked_cross_entropy, cross_entropy
+from lit_memtrain.models.presets import build_config
+from lit_memtrain.techniques.tiled_mlp import apply_tiled_mlp, mlp_tiles
 
 PRESETS = ["tiny-qwen3", "tiny-llama"]
 
@@ -181,7 +181,7 @@ def test_invalid_tile_counts_are_refused(num_tiles):
 
 
 def test_backward_recomputes_tiles_under_forward_autocast():
-    from lit_memtrain.tiled_mlp import apply_tiled_mlp as tile
+    from lit_memtrain.techniques.tiled_mlp import apply_tiled_mlp as tile
 
     dtypes = []
     mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.SiLU(), torch.nn.Linear(32, 16))

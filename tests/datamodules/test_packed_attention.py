@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from transformers.integrations import flex_attention as flex_integration
 
 from lit_memtrain.datamodules.padding_free import PaddingFreeCollator
-from lit_memtrain.presets import build_config
+from lit_memtrain.models.presets import build_config
 
 ATTENTION = [
     "sdpa",

@@ -129,8 +129,8 @@ def test_a_resumed_ddp_run_trains_each_rank_on_its_own_batches(tmp_path, streami
 @pytest.mark.parametrize(("streaming", "accumulate"), [(False, 1), (True, 2), (False, 2)])
 def test_the_causal_lm_module_resumes_on_the_same_batches(tmp_path, streaming, accumulate):
     """Also with gradient accumulation, where the module reads each optimizer step's micro-batches ahead to
-    count its tokens (lit_memtrain.step_tokens): every micro-batch of steps N+1..N+5 is the same."""
-    from lit_memtrain.module import CausalLMModule
+    count its tokens (lit_memtrain.objectives.step_tokens): every micro-batch of steps N+1..N+5 is the same."""
+    from lit_memtrain.objectives.causal_lm import CausalLMModule
 
     class Recording(CausalLMModule):
         def on_train_batch_start(self, batch, batch_idx):

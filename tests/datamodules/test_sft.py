@@ -10,7 +10,7 @@ import torch
 from lit_memtrain.datamodules.collate import PaddedCollator
 from lit_memtrain.datamodules.embedded import EMBEDDED
 from lit_memtrain.datamodules.sft import SFTDataModule
-from lit_memtrain.tokenizer import load_tokenizer
+from lit_memtrain.datamodules.tokenizer import load_tokenizer
 
 ROWS = [{"prompt": f"What is {i} + 1?", "completion": f" it is {i + 1}"} for i in range(10)]
 

@@ -3,7 +3,8 @@ import warnings
 
 import pytest
 
-from lit_memtrain.datamodules.tokenize import IGNORE_INDEX, detect_format, tokenize_example
+from lit_memtrain.datamodules.tokenize import detect_format, tokenize_example
+from lit_memtrain.datamodules.batch import IGNORE_INDEX
 
 CONVERSATION = [
     {"role": "user", "content": "What is 2 + 3?"},

@@ -14,7 +14,7 @@ from lit_memtrain.cli import MemTrainCLI, main
 from lit_memtrain.datamodules.embedded import write_embedded_preferences
 from lit_memtrain.datamodules.preference import PreferenceDataModule
 from lit_memtrain.datamodules.sft import SFTDataModule
-from lit_memtrain.module import CausalLMModule
+from lit_memtrain.objectives.causal_lm import CausalLMModule
 from lit_memtrain.strategies import FSDP2Strategy
 
 ROOT = Path(__file__).resolve().parents[2]

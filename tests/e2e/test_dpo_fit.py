@@ -18,8 +18,8 @@ from lit_memtrain.callbacks import ActivationOffloading, GradientCheckpointing, 
 from lit_memtrain.cli import MemTrainCLI, main, names_model_class
 from lit_memtrain.datamodules.embedded import make_preference, write_embedded_preferences
 from lit_memtrain.datamodules.preference import PreferenceDataModule
-from lit_memtrain.dpo import DPOModule
-from lit_memtrain.module import CausalLMModule
+from lit_memtrain.objectives.dpo import DPOModule
+from lit_memtrain.objectives.causal_lm import CausalLMModule
 
 ROOT = Path(__file__).resolve().parents[2]
 DPO_CONFIG = str(ROOT / "configs" / "dpo.yaml")
@@ -123,7 +123,7 @@ def test_a_resumed_dpo_run_keeps_the_initial_reference_and_the_data_position(tmp
 def test_a_lora_fit_takes_the_reference_from_the_base_model_with_memory_callbacks():
     import random
 
-    from lit_memtrain.lora import LoraSettings
+    from lit_memtrain.models.lora import LoraSettings
 
     rng = random.Random(0)
     data = datasets.Dataset.from_list([make_preference(rng) for _ in range(12)])

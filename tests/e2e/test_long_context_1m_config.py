@@ -7,10 +7,10 @@ import torch
 import yaml
 
 from lit_memtrain.cli import MemTrainCLI
-from lit_memtrain.context_parallel import check_context_parallel
+from lit_memtrain.parallel.context_parallel import check_context_parallel
 from lit_memtrain.datamodules.sft import SFTDataModule
-from lit_memtrain.module import CausalLMModule
-from lit_memtrain.presets import build_config
+from lit_memtrain.objectives.causal_lm import CausalLMModule
+from lit_memtrain.models.presets import build_config
 from lit_memtrain.strategies import ContextParallelStrategy
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "long_context_1m.yaml"

@@ -13,7 +13,7 @@ from lit_memtrain.callbacks.memory_bounded_throughput import MemoryBoundedThroug
 from lit_memtrain.callbacks.memory_monitor import MemoryMonitor
 from lit_memtrain.cli import MemTrainCLI, main
 from lit_memtrain.datamodules.sft import SFTDataModule
-from lit_memtrain.module import CausalLMModule
+from lit_memtrain.objectives.causal_lm import CausalLMModule
 
 ROOT = Path(__file__).resolve().parents[2]
 SWEEP = yaml.safe_load((ROOT / "configs" / "sweep.yaml").read_text())

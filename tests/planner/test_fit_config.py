@@ -10,9 +10,10 @@ from lightning.pytorch import Trainer
 from lit_memtrain.callbacks import ActivationOffloading, GradientCheckpointing, TiledMLP
 from lit_memtrain.datamodules.preference import PreferenceDataModule
 from lit_memtrain.datamodules.sft import SFTDataModule
-from lit_memtrain.dpo import DPOModule
-from lit_memtrain.module import CausalLMModule
-from lit_memtrain.planner.fit_config import read_fit_config, settings_from_trainer, strategy_spec
+from lit_memtrain.objectives.dpo import DPOModule
+from lit_memtrain.objectives.causal_lm import CausalLMModule
+from lit_memtrain.cli.plan import read_fit_config
+from lit_memtrain.planner.fit_config import settings_from_trainer, strategy_spec
 from lit_memtrain.planner.settings import DPO_MODULE, PlanSettings, normalise_precision
 from lit_memtrain.planner.techniques import Techniques, techniques_of, with_techniques
 

@@ -180,12 +180,13 @@ BAD_INPUT = [
 
 _BAD_INPUT = """
 import contextlib, io, json, sys
+from lit_memtrain.cli.plan import read_fit_config
 from lit_memtrain.planner.command import main
 results = []
 for args in json.loads(sys.argv[1]):
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr):
-        status = main([*json.loads(sys.argv[2]), "--data.max_length=1024", *args])
+        status = main([*json.loads(sys.argv[2]), "--data.max_length=1024", *args], read_fit_config)
     results.append([status, stderr.getvalue()])
 print(json.dumps(results))
 """

@@ -181,7 +181,7 @@ def test_cli_json_compare_and_plot(tmp_path: Path):
 
 def test_cli_plans_a_local_config_directory_and_says_what_to_add(tmp_path: Path):
     """A model given as a directory with only a config.json (no weights) plans like the preset it was made from."""
-    from lit_memtrain.presets import build_config
+    from lit_memtrain.models.presets import build_config
 
     overrides = {"vocab_size": 512, "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
@@ -219,12 +219,13 @@ BAD_INPUT = [
 
 _BAD_INPUT = """
 import contextlib, io, json, sys
+from lit_memtrain.cli.plan import read_fit_config
 from lit_memtrain.planner.command import main
 results = []
 for args in json.loads(sys.argv[1]):
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr):
-        status = main(["--config", "configs/quickstart.yaml", *args])
+        status = main(["--config", "configs/quickstart.yaml", *args], read_fit_config)
     results.append([status, stderr.getvalue()])
 print(json.dumps(results))
 """

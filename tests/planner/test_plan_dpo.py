@@ -32,8 +32,8 @@ device = stand_in_device()
 import lit_memtrain.planner.step as step
 from lit_memtrain.cli import main
 from lit_memtrain.datamodules.preference_collate import PreferenceCollator
-from lit_memtrain.dpo import DPOModule
-from lit_memtrain.planner.fit_config import read_fit_config
+from lit_memtrain.objectives.dpo import DPOModule
+from lit_memtrain.cli.plan import read_fit_config
 from lit_memtrain.planner.plan import breakdown
 
 TINY = sys.argv[1]

@@ -19,7 +19,7 @@ FP32, BF16 = 4, 2
 _SIMULATIONS = """
 import json
 from lit_memtrain.planner.sharded import simulate_sharded_step
-from lit_memtrain.presets import build_config
+from lit_memtrain.models.presets import build_config
 
 config = build_config("qwen3-4b", {"num_hidden_layers": 2})
 runs = {"1": {"world_size": 1}, "2": {"world_size": 2}, "2_offload": {"world_size": 2, "cpu_offload": True}}

@@ -22,12 +22,12 @@ _SIMULATIONS = """
 import json
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from lit_memtrain.loss import chunked_cross_entropy, cross_entropy
+from lit_memtrain.techniques.loss import chunked_cross_entropy, cross_entropy
 from lit_memtrain.planner.simulate import (
     fake_causal_lm, measure_peak, simulate_step, stand_in_device, tiles_simulated_once,
 )
-from lit_memtrain.presets import build_config
-from lit_memtrain.tiled_mlp import apply_tiled_mlp
+from lit_memtrain.models.presets import build_config
+from lit_memtrain.techniques.tiled_mlp import apply_tiled_mlp
 
 L = 65536
 device = stand_in_device()

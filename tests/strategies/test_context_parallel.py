@@ -10,7 +10,7 @@ end-of-fit summary line) must be one process's.
 Tolerances: the module computes in fp32 (the chunked loss's logits are fp32 whatever the weights' dtype), so
 gradients are compared to rtol 1e-4 (atol 1e-5 of each gradient's largest entry); weights after two AdamW steps
 to 1e-3 of each tensor's scale (AdamW turns float noise in near-zero gradients into whole steps of lr), as the
-FSDP2 tests do. Float64 equality of the attention itself is tested in tests/context_parallel.
+FSDP2 tests do. Float64 equality of the attention itself is tested in tests/parallel/context_parallel.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from lit_memtrain.callbacks import (
     TiledMLP,
 )
 from lit_memtrain.datamodules.padding_free import PaddingFreeCollator
-from lit_memtrain.lora import LoraSettings
+from lit_memtrain.models.lora import LoraSettings
 from lit_memtrain.strategies import ContextParallelStrategy
 
 WORLD = 2

@@ -9,7 +9,7 @@ from lightning.pytorch import Trainer
 
 from lit_memtrain.cli import MemTrainCLI
 from lit_memtrain.datamodules.sft import SFTDataModule
-from lit_memtrain.module import CausalLMModule
+from lit_memtrain.objectives.causal_lm import CausalLMModule
 from lit_memtrain.strategies import ContextParallelStrategy
 
 
@@ -99,7 +99,7 @@ def test_a_router_load_balancing_loss_is_refused_and_a_zero_coefficient_accepted
     """Each rank would compute the (non-additive) load-balancing loss on its shard only: not one process's loss."""
     from transformers import AutoModelForCausalLM
 
-    from lit_memtrain.presets import build_config
+    from lit_memtrain.models.presets import build_config
 
     moe = {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
            "router_aux_loss_coef": 0.5, "head_dim": 16}

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 from lit_memtrain.datamodules.embedded import make_preference
 from lit_memtrain.datamodules.preference import PreferenceDataModule
 from lit_memtrain.datamodules.resumable import ResumableSampler
-from lit_memtrain.dpo import DPOModule
+from lit_memtrain.objectives.dpo import DPOModule
 from lit_memtrain.strategies import FSDP2Strategy
 
 WORLD, STEPS, PAIRS_PER_RANK, SEED = 2, 2, 2, 42

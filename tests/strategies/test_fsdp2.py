@@ -31,10 +31,10 @@ from lit_memtrain.callbacks import ActivationOffloading, GradientCheckpointing, 
 from lit_memtrain.cli import main
 from lit_memtrain.datamodules.collate import PaddedCollator
 from lit_memtrain.datamodules.padding_free import PaddingFreeCollator
-from lit_memtrain.lora import LoraSettings
-from lit_memtrain.module import CausalLMModule
+from lit_memtrain.models.lora import LoraSettings
+from lit_memtrain.objectives.causal_lm import CausalLMModule
 from lit_memtrain.strategies import FSDP2Strategy
-from lit_memtrain.throughput import count_tokens
+from lit_memtrain.objectives.throughput import count_tokens
 
 WORLD = 2
 STEPS = 3

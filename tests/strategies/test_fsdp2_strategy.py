@@ -11,9 +11,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lit_memtrain.cli import MemTrainCLI
 from lit_memtrain.datamodules.sft import SFTDataModule
-from lit_memtrain.module import CausalLMModule
+from lit_memtrain.objectives.causal_lm import CausalLMModule
 from lit_memtrain.strategies import FSDP2Strategy
-from lit_memtrain.strategies.parallelize import run_inside_forward
+from lit_memtrain.parallel.fsdp import run_inside_forward
 
 
 def test_tensor_parallelism_is_refused_when_the_strategy_is_made():

@@ -1,0 +1,32 @@
+"""``lit-memtrain generate``: answer prompts with an exported Hugging Face directory."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["generate"]
+
+
+def generate(argv: list[str]) -> None:
+    from lit_memtrain.models.generate import generate_answer, load_tokenizer_for
+
+    parser = argparse.ArgumentParser(prog="lit-memtrain generate", description="Answer prompts with an exported model.")
+    parser.add_argument("--model", required=True, help="exported Hugging Face directory")
+    parser.add_argument("--prompt", required=True, action="append", help="user message (repeatable)")
+    parser.add_argument("--max_new_tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: sample at this temperature")
+    parser.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling threshold (with --temperature > 0)")
+    parser.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id, when --model has none")
+    args = parser.parse_args(argv)
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        parser.error(f"--temperature must be >= 0 and --top_p in (0, 1], got {args.temperature} and {args.top_p}")
+    try:
+        load_tokenizer_for(args.model, args.tokenizer)
+    except ValueError as error:
+        parser.error(str(error))
+    for prompt in args.prompt:
+        answer = generate_answer(
+            args.model, prompt, args.max_new_tokens, args.temperature, args.top_p, args.tokenizer, args.seed
+        )
+        print(f"prompt: {prompt}\nanswer: {answer}")

@@ -1,0 +1,325 @@
+"""Building and loading the Hugging Face causal LM a module trains, and writing it back out.
+
+Why apart from the training step: where and when the model is built depends on the strategy (on the
+training device directly, or on the meta device and then sharded and loaded per rank), and an export
+must rebuild exactly what was trained (a QLoRA base reloaded in a float dtype with the same constructor
+options). Keeping these here leaves :mod:`lit_memtrain.objectives.causal_lm` with the training step only.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from lit_memtrain.models.lora import LoraSettings, check_quantization_available, merged_copy, quantization_config
+from lit_memtrain.models.presets import PRESETS, build_config
+
+__all__ = [
+    "DTYPES",
+    "ModelRecipe",
+    "build_causal_lm",
+    "build_causal_lm_skeleton",
+    "causal_lm_config",
+    "check_tokenizer_fits_model",
+    "export_hf_directory",
+    "export_sharded_hf_directory",
+    "load_sharded",
+    "reload_unquantized_base",
+]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelRecipe:
+    """Everything needed to build (and rebuild for export) the causal LM of a run.
+
+    Exactly one of ``model`` (hub id or local path), ``preset`` (a :data:`~lit_memtrain.models.presets.PRESETS`
+    name) or ``config`` (a dict with ``model_type``) is set. See :class:`~lit_memtrain.objectives.causal_lm.CausalLMModule`
+    for the meaning of each field.
+    """
+
+    model: str | None = None
+    preset: str | None = None
+    config: dict[str, Any] | None = None
+    config_overrides: dict[str, Any] | None = None
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    attn_implementation: str | None = "sdpa"  # None: transformers' default (sdpa where the model supports it)
+    model_init_kwargs: dict[str, Any] = field(default_factory=dict)
+    trust_remote_code: bool = False
+    lora: LoraSettings | None = None
+
+    def __post_init__(self) -> None:
+        sources = [name for name in ("model", "preset", "config") if getattr(self, name)]
+        if len(sources) != 1:
+            raise ValueError(
+                f"Give exactly one of model (hub id or path), preset (one of lit_memtrain.PRESETS) or config "
+                f"(a dict with model_type); got {sources or 'none'}."
+            )
+        if self.preset and self.preset not in PRESETS:
+            raise ValueError(f"Unknown model preset {self.preset!r}. Known presets: {', '.join(sorted(PRESETS))}.")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {[*DTYPES, 'auto']}, got {self.dtype!r}.")
+        if self.lora is not None and self.lora.quantize and not self.model:
+            raise ValueError("QLoRA (lora.quantize) quantizes a checkpoint while loading it: give model=<hub id or path>.")
+        if self.quantized:
+            check_quantization_available(self.lora)
+
+    @property
+    def quantized(self) -> bool:
+        return self.lora is not None and self.lora.quantize is not None
+
+
+def build_causal_lm(recipe: ModelRecipe, tokenizer: PreTrainedTokenizerBase | None = None) -> PreTrainedModel:
+    """Load ``recipe.model`` with ``from_pretrained``, or build random weights from a preset or config.
+
+    A model built from a preset or config takes its vocabulary size and special token ids from ``tokenizer``
+    unless ``config_overrides`` sets them. The model is built where the caller's device context puts it.
+    """
+    init_kwargs = dict(recipe.model_init_kwargs)
+    dtype = "auto" if recipe.dtype == "auto" else DTYPES[recipe.dtype]
+    common = {"attn_implementation": recipe.attn_implementation, "trust_remote_code": recipe.trust_remote_code}
+    if recipe.model:
+        if recipe.quantized:
+            compute_dtype = torch.bfloat16 if dtype in ("auto", torch.float32) else dtype
+            init_kwargs["quantization_config"] = quantization_config(recipe.lora, compute_dtype)
+            # Quantized weights load straight onto a GPU: this process's own, not always cuda:0 under DDP.
+            init_kwargs.setdefault("device_map", {"": int(os.environ.get("LOCAL_RANK", 0))})
+        return AutoModelForCausalLM.from_pretrained(recipe.model, dtype=dtype, **common, **init_kwargs)
+    model_config = causal_lm_config(recipe, tokenizer)
+    return AutoModelForCausalLM.from_config(model_config, dtype=torch.float32 if dtype == "auto" else dtype, **common)
+
+
+def causal_lm_config(
+    recipe: ModelRecipe, tokenizer: PreTrainedTokenizerBase | None = None, local_files_only: bool = False
+) -> PretrainedConfig:
+    """The config of the model ``build_causal_lm`` builds, without building it or reading any weights.
+
+    For ``recipe.model`` this reads ``config.json`` (a local directory, or the hub or, with
+    ``local_files_only``, only its cache) with ``model_init_kwargs`` applied as ``from_pretrained`` applies
+    them; for a preset or config dict it is the config ``build_causal_lm`` uses, vocabulary and special
+    tokens taken from ``tokenizer`` unless overridden.
+    """
+    if recipe.model:
+        return AutoConfig.from_pretrained(
+            recipe.model,
+            trust_remote_code=recipe.trust_remote_code,
+            local_files_only=local_files_only,
+            **recipe.model_init_kwargs,
+        )
+    overrides = dict(recipe.config_overrides or {})
+    if tokenizer is not None:
+        overrides.setdefault("vocab_size", len(tokenizer))
+        for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
+            overrides.setdefault(name, getattr(tokenizer, name))
+    overrides.update(recipe.model_init_kwargs)
+    return build_config(recipe.preset or recipe.config, overrides)
+
+
+def build_causal_lm_skeleton(recipe: ModelRecipe, tokenizer: PreTrainedTokenizerBase | None = None) -> PreTrainedModel:
+    """The model :func:`build_causal_lm` would build, on the meta device: structure, dtypes, no weights.
+
+    A hub or local model is built from its config (``from_pretrained`` refuses the meta device and would read
+    the weights), with ``model_init_kwargs`` applied to the config as ``from_pretrained`` applies them.
+    """
+    if not recipe.model:
+        with torch.device("meta"):
+            return build_causal_lm(recipe, tokenizer)
+    config = causal_lm_config(recipe)
+    dtype = DTYPES.get(recipe.dtype) or _config_dtype(config)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(
+            config,
+            dtype=dtype,
+            attn_implementation=recipe.attn_implementation,
+            trust_remote_code=recipe.trust_remote_code,
+        )
+
+
+def _config_dtype(config: Any) -> torch.dtype:
+    dtype = getattr(config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return dtype or torch.float32
+
+
+def check_tokenizer_fits_model(
+    model: nn.Module, tokenizer: PreTrainedTokenizerBase, tokenizer_name: str, recipe: ModelRecipe
+) -> None:
+    """Refuse a tokenizer whose ids would index past the model's embedding, or the demo tokenizer on a real model."""
+    from lit_memtrain.datamodules.embedded import EMBEDDED
+
+    rows = model.get_input_embeddings().num_embeddings
+    if recipe.model and tokenizer_name == EMBEDDED and rows != len(tokenizer):
+        raise ValueError(
+            f"model={recipe.model!r} ({rows} embedding rows) is paired with the embedded demo tokenizer "
+            f"({len(tokenizer)} tokens), which it was not trained with. Give the model's own "
+            f"tokenizer (for example --data.tokenizer={recipe.model})."
+        )
+    if len(tokenizer) > rows:
+        raise ValueError(
+            f"Tokenizer {tokenizer_name!r} has {len(tokenizer)} tokens but the model's embedding has "
+            f"only {rows} rows, so some token ids would index past it. Use the model's own tokenizer, or a "
+            "vocab_size of at least the tokenizer's length."
+        )
+
+
+def reload_unquantized_base(recipe: ModelRecipe) -> PreTrainedModel:
+    """The base of a QLoRA run reloaded in host memory, unquantized, with everything else it was built with:
+    ``model_init_kwargs`` (YaRN ``rope_parameters``...), ``trust_remote_code`` and ``dtype`` (the one its
+    unquantized weights had)."""
+    init_kwargs = {k: v for k, v in recipe.model_init_kwargs.items() if k not in ("quantization_config", "device_map")}
+    dtype = "auto" if recipe.dtype == "auto" else DTYPES[recipe.dtype]
+    return AutoModelForCausalLM.from_pretrained(
+        recipe.model, dtype=dtype, trust_remote_code=recipe.trust_remote_code, device_map={"": "cpu"}, **init_kwargs
+    )
+
+
+def export_hf_directory(
+    model: nn.Module, recipe: ModelRecipe, directory: str | Path, tokenizer: PreTrainedTokenizerBase | None = None
+) -> Path:
+    """Write a Hugging Face directory (model with any adapter merged, and tokenizer) that ``from_pretrained`` loads.
+
+    The config written is the trained model's, so constructor options (``model_init_kwargs`` such as YaRN) are
+    kept. A LoRA adapter is merged in host memory (:func:`~lit_memtrain.models.lora.merged_copy`); a QLoRA adapter
+    into the base reloaded unquantized (:func:`reload_unquantized_base`) rather than into its 4/8-bit weights.
+    """
+    directory = Path(directory)
+    base = reload_unquantized_base(recipe) if recipe.quantized else None
+    merged_copy(model, base).save_pretrained(directory)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+    return directory
+
+
+def _structure(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
+    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    return [(name, tuple(t.shape), str(t.dtype)) for name, t in tensors]
+
+
+def _check_same_structure(model: nn.Module) -> None:
+    """Refuse to load rank 0's weights into a model whose names, shapes or dtypes differ on this rank."""
+    import torch.distributed as dist
+
+    mine = _structure(model)
+    source = [mine]
+    dist.broadcast_object_list(source, src=0)
+    if source[0] != mine:
+        differing = [entry for entry in source[0] if entry not in mine] + [e for e in mine if e not in source[0]]
+        raise RuntimeError(
+            f"Rank {dist.get_rank()} built a model that differs from rank 0's ({len(differing)} differing tensors, e.g. "
+            f"{differing[:3]}), so rank 0's weights cannot be loaded into it. Every rank must build the same model: "
+            "check that the model, config overrides, dtype and LoRA settings do not depend on the rank."
+        )
+
+
+def _move_to_meta(model: nn.Module) -> None:
+    """Replace every parameter and buffer by a meta tensor, keeping shared (tied) parameters shared.
+
+    ``model.to("meta")`` would not: moving across devices makes a new parameter per module that holds it.
+    """
+    originals, replaced = [], {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            if id(param) not in replaced:
+                originals.append(param)  # keeps the id from being reused while the loop runs
+                replaced[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"), param.requires_grad)
+            module._parameters[name] = replaced[id(param)]
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = torch.empty_like(buffer, device="meta")
+
+
+def _share_parameters_as_in(model: nn.Module, copy: nn.Module) -> None:
+    """Tie the parameters of ``copy`` that are one parameter in ``model`` (``load_state_dict(assign=True)`` unties)."""
+    holders: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        holders.setdefault(id(param), []).append(name)
+    for first, *others in holders.values():
+        shared = copy.get_parameter(first)
+        for name in others:
+            owner_name, _, leaf = name.rpartition(".")
+            copy.get_submodule(owner_name)._parameters[leaf] = shared
+
+
+def _set_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner_name, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_name)
+    owner._buffers[leaf] = value
+
+
+@torch.no_grad()
+def load_sharded(
+    model: nn.Module,
+    parallelize: Callable[[nn.Module], nn.Module],
+    parameter_device: torch.device,
+    buffer_device: torch.device,
+) -> nn.Module:
+    """Shard ``model`` and give every rank its shards of global rank 0's weights, one tensor at a time.
+
+    Rank 0 passes the full model in host memory (loaded or initialised as on one device); the other ranks
+    pass the same model on the meta device (:func:`build_causal_lm_skeleton`). Every rank moves it to the
+    meta device, shards it with ``parallelize`` (e.g. :meth:`FSDP2Strategy.parallelize`), allocates its
+    shards on ``parameter_device`` (the host with CPU offload), and receives each tensor from rank 0 (a
+    broadcast of one full tensor, of which each rank keeps its shard). No device ever holds the full model;
+    the full weights exist once, in rank 0's host memory, until this returns. Buffers (RoPE frequencies,
+    also the non-persistent ones) are broadcast to ``buffer_device``.
+
+    Raises:
+        RuntimeError: a rank built a model whose names, shapes or dtypes differ from rank 0's.
+    """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    _check_same_structure(model)
+    is_source = dist.get_rank() == 0
+    weights = dict(model.state_dict()) if is_source else {}
+    buffers = dict(model.named_buffers()) if is_source else {}
+    _move_to_meta(model)
+    model = parallelize(model)
+    model.to_empty(device=parameter_device)
+    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for name, buffer in list(model.named_buffers()):
+        value = buffers[name].to(buffer_device) if is_source else torch.empty_like(buffer, device=buffer_device)
+        dist.broadcast(value, src=0)
+        _set_tensor(model, name, value)
+    return model
+
+
+def export_sharded_hf_directory(
+    model: nn.Module, recipe: ModelRecipe, directory: str | Path, tokenizer: PreTrainedTokenizerBase | None = None
+) -> Path | None:
+    """Gather a sharded (FSDP2) model into rank 0's host memory and write it there as a Hugging Face directory.
+
+    Collective: every rank must call it. Parameters are gathered one at a time (a full tensor on the
+    device, then to the host), so no device holds the whole model; rank 0 rebuilds the model on the meta
+    device, takes the gathered tensors as its weights and writes it with :func:`export_hf_directory` (any
+    LoRA adapter merged). Returns the directory on rank 0 and ``None`` elsewhere.
+    """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from lit_memtrain.models.lora import apply_lora, is_peft_model
+
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    path = None
+    if dist.get_rank() == 0:
+        host = build_causal_lm_skeleton(recipe, tokenizer)
+        if is_peft_model(model):
+            host = apply_lora(host, recipe.lora)
+        host.load_state_dict(weights, assign=True)
+        _share_parameters_as_in(model, host)
+        for name, buffer in model.named_buffers():
+            _set_tensor(host, name, buffer.detach().to("cpu"))
+        path = export_hf_directory(host, recipe, directory, tokenizer)
+    dist.barrier()
+    return path

@@ -1,0 +1,212 @@
+"""Cheap checks, run once at setup, that the model computes what the training step assumes.
+
+Why probes rather than lists of names: the chunked loss takes the decoder's hidden states and the LM head's
+weight and computes the logits itself, and padding-free batches rely on the attention implementation to
+split a row into documents. A model that scales or caps its logits after the head (under any config name,
+or in ``trust_remote_code`` code), or an attention implementation that ignores document boundaries, would
+otherwise train on a different loss, silently. Each probe runs the real model on a few tokens, without
+gradients, and either returns what it found or raises an error that says what to do.
+
+- :func:`probe_logit_transform`: one forward in which the LM head's output is replaced by known values; the
+  model's logits then show what it does after the head (``scale``, then ``softcap``), and the head's own
+  input and output show that the chunked path's hidden states and weight are the ones the model uses.
+- :func:`probe_document_isolation`: two documents packed in one padding-free row must give the logits each
+  gives alone.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lit_memtrain.models.lora import head_weight
+from lit_memtrain.techniques.loss import transform_logits
+
+__all__ = ["LogitTransform", "probe_document_isolation", "probe_logit_transform"]
+
+_PROBE_TOKENS = 8
+_DESIGNED_RANGE = 64.0  # head outputs from -64 to 64: large enough to show any cap, small ones show a scale
+_SCALE_NAMES = ("logit_scale", "lm_head_multiplier")  # multipliers applied after the head
+_DIVISOR_NAMES = ("logits_scaling",)  # divisors applied after the head
+_DOCUMENT_LENGTHS = (7, 5)
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """What a model does to its LM head's output: ``softcap * tanh(scale * logits / softcap)``."""
+
+    scale: float = 1.0
+    softcap: float | None = None
+
+
+def _relative_error(got: Tensor, expected: Tensor) -> float:
+    got, expected = got.double(), expected.double()
+    return float((got - expected).norm() / expected.norm().clamp(min=torch.finfo(torch.float64).tiny))
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    """Relative error allowed between two ways of computing the same thing in ``dtype``."""
+    return 1e-5 if dtype in (torch.float32, torch.float64) else 2e-2
+
+
+def _text_config(model: nn.Module) -> Any:
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _unsupported(model: nn.Module, reason: str) -> ValueError:
+    return ValueError(
+        f"The chunked loss cannot reproduce the logits of {type(model).__name__}: {reason}. Training on it would "
+        "use a loss different from the model's own. Use loss_type='nll' (the model's logits and plain "
+        "cross-entropy) for this model."
+    )
+
+
+def _probe_ids(model: nn.Module, lengths: tuple[int, ...], device: torch.device) -> list[Tensor]:
+    vocab = model.get_input_embeddings().num_embeddings
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab, (1, n), generator=generator).to(device) for n in lengths]
+
+
+def _device(model: nn.Module) -> torch.device:
+    return model.get_input_embeddings().weight.device
+
+
+class _EvalMode:
+    """``model.eval()`` and no gradients for the probe's forward, the previous mode restored after."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __enter__(self) -> None:
+        self.training = self.model.training
+        self.no_grad = torch.no_grad()
+        self.no_grad.__enter__()
+        self.model.eval()
+
+    def __exit__(self, *exc: object) -> None:
+        self.model.train(self.training)
+        self.no_grad.__exit__(*exc)
+
+
+def probe_logit_transform(model: nn.Module) -> LogitTransform:
+    """Find what ``model`` does between its LM head and its logits, so the chunked loss can do the same.
+
+    One forward over a few tokens, in eval mode and without gradients, with hooks on the decoder
+    (``get_decoder()``) and the LM head (``get_output_embeddings()``); the head's output is replaced by
+    designed values ``R`` from -64 to 64. Checked: the head's input is the decoder's last hidden state, the
+    head's output is ``hidden @ W.T + b`` with the weight the chunked loss reads
+    (:func:`lit_memtrain.models.lora.head_weight`, LoRA folded in), and the model's logits are
+    ``softcap * tanh(scale * R / softcap)`` for one ``scale`` (measured on the small values of ``R``; a value
+    the config names, such as ``logit_scale``, ``1 / logits_scaling`` or ``lm_head_multiplier``, when they
+    agree) and the config's ``final_logit_softcapping`` (or no cap).
+
+    Raises:
+        ValueError: naming ``loss_type='nll'``, when any of this does not hold.
+    """
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    if head is None:
+        raise _unsupported(model, "it has no output embedding module (get_output_embeddings() is None)")
+    seen: dict[str, Tensor] = {}
+
+    def on_decoder(module: nn.Module, args: Any, output: Any) -> None:
+        seen["hidden"] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+
+    def on_head(module: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> Tensor:
+        weight, bias = head_weight(module)  # read inside forward, where sharded weights are whole
+        seen["head_input"], seen["head_output"] = args[0], output
+        seen["linear"] = F.linear(args[0], weight.to(args[0].dtype), None if bias is None else bias.to(args[0].dtype))
+        designed = torch.linspace(-_DESIGNED_RANGE, _DESIGNED_RANGE, output.numel(), device=output.device)
+        seen["designed"] = designed.view(output.shape)
+        return seen["designed"]
+
+    (ids,) = _probe_ids(model, (_PROBE_TOKENS,), _device(model))
+    hooks = [decoder.register_forward_hook(on_decoder), head.register_forward_hook(on_head)]
+    try:
+        with _EvalMode(model):
+            output = model(input_ids=ids, use_cache=False)
+            logits = output.logits if hasattr(output, "logits") else output[0]
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if "head_input" not in seen or "hidden" not in seen:
+        raise _unsupported(model, "its forward does not call get_decoder() and get_output_embeddings() as modules")
+    tolerance = _tolerance(seen["head_input"].dtype)
+    if seen["head_input"].shape != seen["hidden"].shape or _relative_error(seen["head_input"], seen["hidden"]) > tolerance:
+        raise _unsupported(model, "its LM head does not take the decoder's last hidden state as it is")
+    if _relative_error(seen["head_output"], seen["linear"]) > tolerance:
+        raise _unsupported(model, "its LM head computes something other than hidden @ weight.T + bias")
+    return _fit_transform(model, seen["designed"], logits.float())
+
+
+def _fit_transform(model: nn.Module, designed: Tensor, logits: Tensor) -> LogitTransform:
+    config = _text_config(model)
+    softcap = getattr(config, "final_logit_softcapping", None) or None
+    small = (designed.abs() <= 1) & (designed != 0)
+    inner = logits[small]
+    if softcap is not None:
+        inner = softcap * torch.atanh((inner / softcap).clamp(-1 + 1e-7, 1 - 1e-7))
+    measured = float((inner * designed[small]).sum() / designed[small].square().sum())
+    if not measured > 0 or not math.isfinite(measured):
+        raise _unsupported(model, f"its logits do not grow with its LM head's output (measured scale {measured})")
+    named = [1.0]
+    named += [float(getattr(config, name)) for name in _SCALE_NAMES if getattr(config, name, None)]
+    named += [1.0 / float(getattr(config, name)) for name in _DIVISOR_NAMES if getattr(config, name, None)]
+    closest = min(named, key=lambda value: abs(value - measured))
+    scale = closest if abs(closest - measured) <= 1e-3 * measured else measured
+    transform = LogitTransform(scale=scale, softcap=softcap)
+    error = _relative_error(logits, transform_logits(designed, softcap, scale))
+    if error > _tolerance(logits.dtype):
+        cap = f", then capped at final_logit_softcapping={softcap}" if softcap else ""
+        raise _unsupported(
+            model, f"its logits are not its LM head's output times {scale:.6g}{cap} (relative error {error:.2e})"
+        )
+    return transform
+
+
+def probe_document_isolation(
+    model: nn.Module, model_inputs: Callable[[dict[str, Any]], dict[str, Any]], attn_implementation: str
+) -> None:
+    """Check that two documents packed in one padding-free row get the logits each gets alone.
+
+    Args:
+        model: the causal LM.
+        model_inputs: turns a padding-free batch (``input_ids``, ``position_ids`` restarting per document,
+            ``cu_seq_lens_q/k``, ``max_length_q/k``) into the model's keyword arguments, as training does.
+        attn_implementation: named in the error.
+
+    Raises:
+        ValueError: the packed logits differ, so documents attend to each other.
+    """
+    documents = _probe_ids(model, _DOCUMENT_LENGTHS, _device(model))
+    row = torch.cat(documents, dim=1)
+    bounds = torch.tensor([0, *torch.tensor(_DOCUMENT_LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    packed = {
+        "input_ids": row,
+        "labels": row,
+        "position_ids": torch.cat([torch.arange(n) for n in _DOCUMENT_LENGTHS])[None].to(row.device),
+        "cu_seq_lens_q": bounds.to(row.device),
+        "cu_seq_lens_k": bounds.to(row.device),
+        "max_length_q": max(_DOCUMENT_LENGTHS),
+        "max_length_k": max(_DOCUMENT_LENGTHS),
+    }
+    with _EvalMode(model):
+        together = model(**model_inputs(packed)).logits.float()
+        alone = torch.cat([model(input_ids=ids, use_cache=False).logits.float() for ids in documents], dim=1)
+    error = _relative_error(together, alone)
+    # Packing changes only the kernels' summation order (1e-7 in fp32); a document seeing its neighbour moves
+    # its logits by tens of percent (0.6 on the tiny test models).
+    full_precision = model.get_input_embeddings().weight.dtype in (torch.float32, torch.float64)
+    if error > (1e-4 if full_precision else 5e-2):
+        raise ValueError(
+            f"attn_implementation={attn_implementation!r} lets packed documents attend to each other: two "
+            f"documents packed in one padding-free row got logits {error:.2e} (relative) away from each "
+            "document run alone. Use 'sdpa_by_document', 'sdpa', 'eager' or a flash-attention kernel, or turn off "
+            "packing and padding_free."
+        )

@@ -1,0 +1,146 @@
+"""Log-probabilities of target tokens, plain and chunked: what preference losses (DPO) are made of.
+
+Why chunked: like the loss (:mod:`lit_memtrain.techniques.loss`), the log-probability of each completion token needs
+the log-sum-exp over the vocabulary, and the ``[tokens, vocab]`` logits are the first memory wall at long
+context. :func:`chunked_token_log_probs` takes the final hidden states and the LM-head weight and holds the
+logits of ``chunk_size`` rows at a time. Unlike cross-entropy, the gradient of each token's log-probability
+is weighted by a factor known only once every sequence's sum is known (DPO's sigmoid of the reward margin),
+so gradients cannot be computed in forward: backward recomputes each chunk's logits (one more matmul per
+chunk), keeping only the per-row log-sum-exp from forward.
+
+Rows whose target is ``-100`` get log-probability 0 and cost nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import Tensor
+
+from lit_memtrain.techniques.autocast import active_autocast_dtype
+from lit_memtrain.techniques.loss import (
+    IGNORE_INDEX,
+    _accumulate_linear_grads,
+    _chunk_logits,
+    _linear_output_grad,
+    _validate_softcap,
+    _validate_targets,
+    transform_logits,
+)
+
+__all__ = ["chunked_token_log_probs", "token_log_probs"]
+
+
+def token_log_probs(logits: Tensor, targets: Tensor, softcap: float | None = None, scale: float = 1.0) -> Tensor:
+    """``log softmax(logits)[target]`` per row (fp32), 0 where the target is -100.
+
+    Args:
+        logits: [N, V] logits, any floating dtype (upcast to fp32).
+        targets: [N] long, already shifted, ``-100`` for ignored rows.
+        softcap, scale: the model's logit transform (see :func:`lit_memtrain.techniques.loss.cross_entropy`).
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be 2-D [N, V], got shape {tuple(logits.shape)}. Flatten batch and sequence.")
+    _validate_targets(targets, logits.shape[0])
+    _validate_softcap(softcap, scale)
+    logits = transform_logits(logits.float(), softcap, scale)
+    keep = targets != IGNORE_INDEX
+    picked = logits.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1) - torch.logsumexp(logits, dim=1)
+    return picked.masked_fill(~keep, 0.0)
+
+
+class _ChunkedTokenLogProbs(torch.autograd.Function):
+    """Log-probabilities of ``kept_targets`` at rows ``kept_rows`` of ``hidden``, a chunk of logits at a time."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, kept_rows, kept_targets, chunk_size, softcap, scale):
+        logps, lses = [], []
+        for start in range(0, kept_rows.shape[0], chunk_size):
+            rows = kept_rows[start : start + chunk_size]
+            logits = _chunk_logits(hidden.index_select(0, rows), weight, bias, softcap, scale)
+            lse = torch.logsumexp(logits, dim=1)
+            logps.append(logits.gather(1, kept_targets[start : start + chunk_size].unsqueeze(1)).squeeze(1) - lse)
+            lses.append(lse)
+        ctx.save_for_backward(hidden, weight, bias, kept_rows, kept_targets, torch.cat(lses) if lses else None)
+        ctx.chunk_size, ctx.softcap, ctx.scale = chunk_size, softcap, scale
+        return torch.cat(logps) if logps else hidden.new_zeros(0, dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad_logps: Tensor):
+        hidden, weight, bias, kept_rows, kept_targets, lse = ctx.saved_tensors
+        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.zeros_like(hidden) if needs_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight else None
+        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if needs_bias else None
+        size, softcap, scale = ctx.chunk_size, ctx.softcap, ctx.scale
+        for start in range(0, kept_rows.shape[0], size):
+            rows = kept_rows[start : start + size]
+            grad = grad_logps[start : start + size].float()
+            hidden_rows = hidden.index_select(0, rows)
+            logits = _chunk_logits(hidden_rows, weight, bias, softcap, scale)
+            # d log p_t / d z = onehot(t) - softmax(z), times each row's incoming gradient.
+            grad_logits = torch.exp(logits - lse[start : start + size].unsqueeze(1)).mul_(-grad.unsqueeze(1))
+            grad_logits[torch.arange(rows.shape[0], device=rows.device), kept_targets[start : start + size]] += grad
+            _linear_output_grad(grad_logits, logits, softcap, scale, grad_bias)
+            del logits
+            grad_logits = grad_logits.to(hidden.dtype)
+            _accumulate_linear_grads(grad_logits, rows, hidden_rows, weight, grad_hidden, grad_weight)
+        return (
+            grad_hidden,
+            None if grad_weight is None else grad_weight.to(weight.dtype),
+            None if grad_bias is None else grad_bias.to(bias.dtype),
+            None, None, None, None, None,
+        )
+
+
+def chunked_token_log_probs(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    chunk_size: int = 1024,
+    softcap: float | None = None,
+    bias: Tensor | None = None,
+    scale: float = 1.0,
+) -> Tensor:
+    """:func:`token_log_probs` of ``hidden @ weight.T (+ bias)`` without materialising the [N, V] logits.
+
+    Equal in value and gradients to ``token_log_probs(F.linear(hidden, weight, bias), targets, softcap, scale)``.
+
+    Args:
+        hidden: [N, H] final hidden states (after the final norm).
+        weight: [V, H] LM-head weight, same dtype as ``hidden`` (or any dtype under autocast).
+        targets: [N] long, already shifted, ``-100`` for ignored rows.
+        chunk_size: rows per chunk of logits.
+        softcap, bias, scale: as for :func:`lit_memtrain.techniques.loss.chunked_cross_entropy`.
+
+    Returns:
+        [N] fp32 log-probabilities, 0 at ignored rows.
+
+    Example:
+        >>> hidden = model.model(input_ids, use_cache=False).last_hidden_state.flatten(0, 1)  # doctest: +SKIP
+        >>> logps = chunked_token_log_probs(hidden, model.lm_head.weight, targets.flatten())  # doctest: +SKIP
+        >>> sequence_logps = logps.view_as(targets).sum(-1)  # doctest: +SKIP
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(
+            f"hidden must be [N, H] and weight [V, H], got {tuple(hidden.shape)} and {tuple(weight.shape)}."
+        )
+    _validate_targets(targets, hidden.shape[0])
+    _validate_softcap(softcap, scale)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}.")
+    device_type = hidden.device.type
+    compute_dtype = active_autocast_dtype(device_type)
+    if compute_dtype is not None:  # as F.linear under autocast would: logits in the autocast dtype
+        hidden, weight = hidden.to(compute_dtype), weight.to(compute_dtype)
+        bias = bias.to(compute_dtype) if bias is not None else None
+    elif weight.dtype != hidden.dtype or not hidden.is_floating_point():
+        raise TypeError(f"hidden and weight must share one floating dtype, got {hidden.dtype} and {weight.dtype}.")
+    kept_rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)
+    autocast_off = torch.autocast(device_type, enabled=False) if compute_dtype else contextlib.nullcontext()
+    with autocast_off:
+        kept = _ChunkedTokenLogProbs.apply(
+            hidden, weight, bias, kept_rows, targets.index_select(0, kept_rows), chunk_size, softcap, scale
+        )
+    return kept.new_zeros(targets.shape[0]).index_copy(0, kept_rows, kept)

@@ -1,0 +1,182 @@
+"""Memory-efficient RMSNorm: fp32 over chunks of tokens, saving only the input and the per-token ``rstd``.
+
+Why: Hugging Face's RMSNorm (Llama, Qwen2/3, Mistral...) casts its input to fp32 and keeps the fp32 copy for
+backward, plus the normalised output in the input's dtype for the weight's gradient; its backward then makes
+several more fp32 tensors of the input's size. With the logits chunked, the MLP tiled and the layers
+checkpointed, these are the largest tensors of a long-context step: in the backward of a recomputed Qwen3-4B
+layer at 524,288 tokens per rank, 47 GiB of the 74 GiB peak are fp32 norm intermediates (the input and
+post-attention norms over ``L x 2560``, ``q_norm``/``k_norm`` over every head of every token). The norm acts on
+each token independently, so it can run over chunks of tokens: forward computes each chunk in fp32 and writes
+its output, backward recomputes the chunk's fp32 values from the saved input and ``rstd``. Nothing fp32 of the
+whole sequence remains but ``rstd`` (4 bytes a token per norm).
+
+Numerics: the forward is the module's own sequence of operations on each chunk (cast to fp32, ``pow(2)``,
+``mean``, ``+ eps``, ``rsqrt``, multiply, cast back, multiply by the weight), so its output is the module's,
+bit for bit where the kernels reduce a row the same way whatever the number of rows (the CPU's; a GPU kernel
+may pick another reduction order for another shape: fp32 rounding of the mean). The backward is the chain rule
+autograd applies to those operations, in fp32; the weight's gradient is summed over chunks in fp32 (autograd
+sums it in the gradient's dtype), within the gradient dtype's rounding of autograd's.
+:func:`apply_chunked_rms_norm` replaces only norms it can prove compute this: a ``variance_epsilon`` float,
+a 1-D ``weight``, and a probe comparing the module's own output with the chunked one on a few tokens, in fp32
+and in the weight's dtype, for equality. Others (Gemma's ``1 + weight``, a weight applied in fp32) are left as
+they are and named.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lit_memtrain.models.layers import wrap_forwards
+
+__all__ = [
+    "DEFAULT_CHUNK_ELEMENTS",
+    "apply_chunked_rms_norm",
+    "chunked_rms_norm",
+    "probe_rms_norm",
+    "validate_chunk_elements",
+]
+
+DEFAULT_CHUNK_ELEMENTS = 2**24  # 64 MiB per fp32 temporary: thousands of tokens per chunk, few kernel launches
+_MARKER = "_lit_memtrain_chunked_rms_norm"
+_PROBE_TOKENS = 8
+
+
+def _chunk_bounds(rows: int, rows_per_chunk: int) -> list[tuple[int, int]]:
+    return [(start, min(start + rows_per_chunk, rows)) for start in range(0, rows, rows_per_chunk)]
+
+
+class _ChunkedRMSNorm(torch.autograd.Function):
+    """``weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)`` over chunks of rows of ``x``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float, chunk_elements: int) -> Tensor:
+        shape, hidden = x.shape, x.shape[-1]
+        rows = x.detach().reshape(-1, hidden)
+        rows_per_chunk = max(1, chunk_elements // hidden)
+        rstd = torch.empty(rows.shape[0], 1, dtype=torch.float32, device=x.device)
+        out: Tensor | None = None
+        for start, end in _chunk_bounds(rows.shape[0], rows_per_chunk):
+            chunk = rows[start:end].to(torch.float32)
+            chunk_rstd = torch.rsqrt(chunk.pow(2).mean(-1, keepdim=True) + eps)
+            chunk_out = weight.detach() * (chunk * chunk_rstd).to(x.dtype)
+            if out is None:
+                out = chunk_out.new_empty(rows.shape[0], hidden)
+            out[start:end] = chunk_out
+            rstd[start:end] = chunk_rstd
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.rows_per_chunk = rows_per_chunk
+        return out.view(shape)  # type: ignore[union-attr]
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight, rstd = ctx.saved_tensors
+        hidden = x.shape[-1]
+        rows, grads = x.reshape(-1, hidden), grad_out.reshape(-1, hidden)
+        grad_x = torch.empty_like(rows) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(hidden, dtype=torch.float32, device=x.device) if ctx.needs_input_grad[1] else None
+        for start, end in _chunk_bounds(rows.shape[0], ctx.rows_per_chunk):
+            chunk, grad, chunk_rstd = rows[start:end].to(torch.float32), grads[start:end], rstd[start:end]
+            normed = chunk * chunk_rstd
+            if grad_weight is not None:
+                grad_weight += (grad.to(torch.float32) * normed.to(x.dtype).to(torch.float32)).sum(0)
+            if grad_x is not None:
+                # autograd's chain through `weight * normed.to(dtype)`: the product in the gradient's dtype,
+                # cast to the input's dtype, then to fp32; then through `chunk * rstd` and rstd = rsqrt(mean(x^2)+eps).
+                grad_normed = (grad * weight).to(x.dtype).to(torch.float32)
+                grad_rstd = (grad_normed * chunk).sum(-1, keepdim=True)
+                grad_mean_square = grad_rstd * -0.5 * chunk_rstd.pow(3) / hidden
+                grad_x[start:end] = grad_normed * chunk_rstd + grad_mean_square * 2.0 * chunk
+        grad_x_out = grad_x.view(x.shape) if grad_x is not None else None
+        return grad_x_out, grad_weight.to(weight.dtype) if grad_weight is not None else None, None, None
+
+
+def chunked_rms_norm(x: Tensor, weight: Tensor, eps: float, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> Tensor:
+    """Hugging Face's RMSNorm of ``x`` over its last dimension, in chunks of about ``chunk_elements`` elements.
+
+    Example:
+        >>> y = chunked_rms_norm(hidden_states, norm.weight, norm.variance_epsilon)  # doctest: +SKIP
+    """
+    return _ChunkedRMSNorm.apply(x, weight, eps, chunk_elements)
+
+
+def probe_rms_norm(norm: nn.Module) -> str | None:
+    """Why ``norm`` cannot be replaced by :func:`chunked_rms_norm`, or ``None`` when it computes the same.
+
+    Runs the module's own forward and the chunked one on a few tokens with a known weight (in fp32 and in the
+    weight's dtype), on the CPU, without gradients, and requires equal outputs.
+    """
+    eps, weight = getattr(norm, "variance_epsilon", None), getattr(norm, "weight", None)
+    if not isinstance(eps, float) or not isinstance(weight, Tensor) or weight.dim() != 1:
+        return "it has no float 'variance_epsilon' and 1-D 'weight'"
+    hidden = weight.shape[0]
+    generator = torch.Generator().manual_seed(0)
+    probe_weight = 1.0 + 0.5 * torch.randn(hidden, generator=generator)
+    x = 3.0 * torch.randn(2, _PROBE_TOKENS, hidden, generator=generator)
+    for dtype in dict.fromkeys((torch.float32, weight.dtype)):
+        if not dtype.is_floating_point:
+            return f"its weight is {weight.dtype}"
+        probe_w, probe_x = probe_weight.to(dtype), x.to(dtype)
+        with torch.no_grad():
+            expected = torch.func.functional_call(norm, {"weight": probe_w}, (probe_x,), strict=False)
+            found = chunked_rms_norm(probe_x, probe_w, eps, chunk_elements=hidden * 3)
+        if not isinstance(expected, Tensor) or expected.dtype != found.dtype or not torch.equal(expected, found):
+            return f"its output differs from weight * (x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype) in {dtype}"
+    return None
+
+
+def apply_chunked_rms_norm(
+    modules: Iterable[nn.Module], chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
+) -> tuple[Callable[[], None], dict[str, str]]:
+    """Run every RMSNorm among ``modules`` (classes named ``*RMSNorm``) through :func:`chunked_rms_norm`.
+
+    Each class is probed once (:func:`probe_rms_norm`); norms of a class the probe cannot prove equal keep
+    their own forward.
+
+    Returns:
+        A function that restores the original forwards, and the classes left as they are with the reason.
+
+    Raises:
+        ValueError: ``chunk_elements`` is not a positive int, or a norm is already chunked.
+
+    Example:
+        >>> restore, skipped = apply_chunked_rms_norm(model.modules())  # doctest: +SKIP
+    """
+    validate_chunk_elements(chunk_elements)
+    verdicts: dict[type, str | None] = {}
+    norms = []
+    for module in modules:
+        kind = type(module)
+        if not kind.__name__.endswith("RMSNorm"):
+            continue
+        if getattr(module.forward, _MARKER, False):
+            raise ValueError(f"{kind.__name__} is already chunked; apply_chunked_rms_norm once.")
+        if kind not in verdicts:
+            verdicts[kind] = _probe(module)
+        if verdicts[kind] is None:
+            norms.append(module)
+    restore = wrap_forwards(norms, lambda norm, forward: _chunked_forward(norm, chunk_elements))
+    return restore, {kind.__name__: reason for kind, reason in verdicts.items() if reason is not None}
+
+
+def _probe(norm: nn.Module) -> str | None:
+    """The probe (a module attribute so the planner, whose weights have no values, can stand in for it)."""
+    return probe_rms_norm(norm)
+
+
+def validate_chunk_elements(chunk_elements: int) -> None:
+    """Raise ``ValueError`` unless ``chunk_elements`` is a positive int."""
+    if isinstance(chunk_elements, bool) or not isinstance(chunk_elements, int) or chunk_elements < 1:
+        raise ValueError(f"chunk_elements must be a positive int (elements per fp32 chunk), got {chunk_elements!r}.")
+
+
+def _chunked_forward(norm: nn.Module, chunk_elements: int) -> Callable[[Tensor], Tensor]:
+    def forward(hidden_states: Tensor) -> Tensor:
+        return chunked_rms_norm(hidden_states, norm.weight, norm.variance_epsilon, chunk_elements)
+
+    setattr(forward, _MARKER, True)
+    return forward
+

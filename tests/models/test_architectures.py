@@ -1,0 +1,170 @@
+"""The chunked loss equals the model's own logits + cross-entropy (loss and gradients, fp32) on every
+architecture users bring, whatever the model does to its logits after the LM head; what it cannot reproduce
+is refused at setup, naming loss_type="nll"."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen3ForCausalLM
+
+from lit_memtrain.objectives.causal_lm import CausalLMModule
+from lit_memtrain.models.presets import build_config
+from lit_memtrain.objectives.probes import LogitTransform, probe_logit_transform
+
+TINY = {
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "max_position_embeddings": 128,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+# Each architecture with what it does after its LM head set so that it changes the loss; attention eager
+# where the model supports nothing else (Gemma 2's attention softcap, GPT-OSS's sinks).
+ARCHITECTURES = {
+    "llama": ({}, "sdpa"),
+    "qwen2": ({}, "sdpa"),
+    "qwen3": ({}, "sdpa"),
+    "qwen3_moe": ({"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}, "sdpa"),
+    "mistral": ({}, "sdpa"),
+    "gemma2": ({"final_logit_softcapping": 0.5}, "eager"),
+    "gemma3_text": ({"final_logit_softcapping": 0.5}, "sdpa"),
+    "granite": ({"logits_scaling": 4.0}, "sdpa"),
+    "cohere": ({"logit_scale": 3.0}, "sdpa"),
+    "falcon_h1": ({"lm_head_multiplier": 4.0, "mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8}, "sdpa"),
+    "phi3": ({}, "sdpa"),
+    "olmo2": ({}, "sdpa"),
+    "gpt_oss": ({"num_local_experts": 4, "num_experts_per_tok": 2}, "eager"),
+}
+
+
+def _module(model_type: str, loss_type: str, **config) -> CausalLMModule:
+    extra, attention = ARCHITECTURES[model_type]
+    torch.manual_seed(0)
+    module = CausalLMModule(
+        config={"model_type": model_type, **TINY, **extra, **config},
+        attn_implementation=attention,
+        loss_type=loss_type,
+        loss_chunk_size=7,
+    )
+    module.configure_model()
+    return module
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    ids = torch.randint(3, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[:, :3] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+@pytest.mark.parametrize("model_type", sorted(ARCHITECTURES))
+def test_chunked_loss_and_gradients_equal_the_models_own_logits(model_type):
+    chunked, plain = _module(model_type, "chunked"), _module(model_type, "nll")
+    batch = _batch()
+    loss_chunked, loss_plain = chunked.compute_loss(batch), plain.compute_loss(batch)
+    loss_chunked.backward()
+    loss_plain.backward()
+    torch.testing.assert_close(loss_chunked, loss_plain, rtol=1e-5, atol=1e-6)
+    expected = dict(plain.model.named_parameters())
+    for name, param in chunked.model.named_parameters():
+        if expected[name].grad is None:
+            assert param.grad is None, name
+            continue
+        torch.testing.assert_close(param.grad, expected[name].grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "expected"),
+    [
+        ("falcon_h1", LogitTransform(scale=4.0)),
+        ("granite", LogitTransform(scale=0.25)),
+        ("cohere", LogitTransform(scale=3.0)),
+        ("gemma3_text", LogitTransform(softcap=0.5)),
+        ("qwen3", LogitTransform()),
+    ],
+)
+def test_the_probe_finds_what_each_model_does_after_its_head(model_type, expected):
+    assert probe_logit_transform(_module(model_type, "nll").model) == expected
+
+
+def test_falcon_h1_lm_head_multiplier_changes_the_loss_and_the_chunked_loss_follows():
+    """The issue's case: a multiplier under a name the chunked loss used not to know (nll 5.17, chunked 4.89)."""
+    batch = _batch()
+    scaled = _module("falcon_h1", "chunked").compute_loss(batch)
+    unscaled = _module("falcon_h1", "nll", lm_head_multiplier=1.0).compute_loss(batch)
+    assert abs(scaled.item() - unscaled.item()) > 1e-3
+    torch.testing.assert_close(scaled, _module("falcon_h1", "nll").compute_loss(batch), rtol=1e-5, atol=1e-6)
+
+
+class _TransformsAfterHead(Qwen3ForCausalLM):
+    """Stands for a trust_remote_code model: changes its logits after the head, under names we do not know."""
+
+    transform = staticmethod(lambda logits: logits)
+
+    def forward(self, *args, **kwargs):
+        output = super().forward(*args, **kwargs)
+        output.logits = self.transform(output.logits)
+        return output
+
+
+def _custom_module(transform, loss_type: str = "chunked") -> CausalLMModule:
+    torch.manual_seed(0)
+    module = CausalLMModule(preset="tiny-qwen3", loss_type=loss_type)
+    model = _TransformsAfterHead(build_config("tiny-qwen3"))
+    model.transform = transform
+    module.model = model.train()
+    return module
+
+
+def test_an_unnamed_multiplier_is_measured_and_applied():
+    batch = {"input_ids": _batch()["input_ids"], "labels": _batch()["labels"]}
+    chunked = _custom_module(lambda logits: logits * 2.5)
+    plain = _custom_module(lambda logits: logits * 2.5, loss_type="nll")
+    torch.testing.assert_close(chunked.compute_loss(batch), plain.compute_loss(batch), rtol=1e-5, atol=1e-6)
+    assert chunked._logit_transform.scale == pytest.approx(2.5, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("transform", "reason"),
+    [
+        (lambda logits: 3.0 * torch.tanh(logits / 3.0), "not its LM head's output times"),
+        (lambda logits: logits.flip(-1), "not its LM head's output times"),
+        (lambda logits: -logits, "do not grow with its LM head's output"),
+    ],
+)
+def test_a_transform_the_chunked_loss_cannot_reproduce_is_refused_naming_nll(transform, reason):
+    module = _custom_module(transform)
+    with pytest.raises(ValueError, match=rf"(?s){reason}.*Use loss_type='nll'"):
+        module.compute_loss(_batch())
+    _custom_module(transform, loss_type="nll").compute_loss(_batch())  # the plain loss needs no probe
+
+
+def test_a_head_that_is_not_a_linear_layer_is_refused():
+    module = _custom_module(lambda logits: logits)
+    linear = module.model.lm_head
+    module.model.lm_head = torch.nn.Sequential(torch.nn.Tanh(), linear)
+    module.model.get_output_embeddings = lambda: module.model.lm_head[1]
+    with pytest.raises(ValueError, match="does not take the decoder's last hidden state as it is"):
+        module.compute_loss(_batch())
+
+
+def test_the_probe_runs_once_at_fit_start(tmp_path, monkeypatch):
+    from lightning.pytorch import Trainer
+    from torch.utils.data import DataLoader
+
+    import lit_memtrain.objectives.causal_lm as module_file
+
+    calls = []
+    monkeypatch.setattr(module_file, "probe_logit_transform", lambda model: calls.append(model) or LogitTransform())
+    module = CausalLMModule(preset="tiny-qwen3")
+    loader = DataLoader([_batch()] * 2, batch_size=None)
+    trainer = Trainer(max_steps=2, logger=False, enable_progress_bar=False, enable_checkpointing=False, default_root_dir=tmp_path)
+    trainer.fit(module, loader, loader)
+    assert calls == [module.model]

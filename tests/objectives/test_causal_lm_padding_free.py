@@ -1,0 +1,116 @@
+"""The module trains on padding-free batches exactly as on each document alone, probes attention
+implementations not proven here, and refuses those that would let packed documents see each other."""
+
+import pytest
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from lit_memtrain.datamodules.collate import PaddedCollator
+from lit_memtrain.datamodules.padding_free import PaddingFreeCollator
+from lit_memtrain.datamodules.sft import SFTDataModule
+from lit_memtrain.objectives.causal_lm import CausalLMModule
+
+DOCS = [
+    {"input_ids": [5, 6, 7, 8, 9, 10], "labels": [-100, -100, 7, 8, 9, 10]},
+    {"input_ids": [11, 12, 13], "labels": [11, 12, 13]},
+    {"input_ids": [20, 21, 22, 23], "labels": [-100, 21, 22, 23]},
+]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("loss_type", ["chunked", "nll"])
+def test_padding_free_loss_and_gradients_equal_per_document_runs(attn, loss_type):
+    torch.manual_seed(0)
+    module = CausalLMModule(preset="tiny-qwen3", attn_implementation=attn, loss_type=loss_type)
+    module.configure_model()
+    flat = PaddingFreeCollator(pad_token_id=0, pad_to_multiple_of=8)(DOCS)
+    loss = module.compute_loss(flat)
+    loss.backward()
+    packed_grads = [p.grad.clone() for p in module.model.parameters()]
+    module.zero_grad()
+    total = flat["num_trainable_tokens"]
+    per_doc = sum(module.compute_loss(PaddedCollator(0)([doc]), num_items=total) for doc in DOCS)
+    per_doc.backward()
+    torch.testing.assert_close(loss, per_doc, rtol=1e-5, atol=1e-6)
+    for packed, single in zip(packed_grads, (p.grad for p in module.model.parameters())):
+        torch.testing.assert_close(packed, single, rtol=1e-4, atol=1e-6)
+
+
+def _ignores_documents(module, query, key, value, attention_mask, **kwargs):
+    return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
+
+
+def _keeps_documents_apart(module, query, key, value, attention_mask, **kwargs):
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register("ignores_documents", _ignores_documents)
+AttentionInterface.register("keeps_documents_apart", _keeps_documents_apart)
+AttentionMaskInterface.register("keeps_documents_apart", sdpa_mask)
+
+
+def test_attention_that_ignores_position_restarts_is_refused_by_the_setup_probe():
+    module = CausalLMModule(preset="tiny-qwen3", attn_implementation="ignores_documents")
+    module.configure_model()
+    module.compute_loss(PaddedCollator(0)(DOCS))  # padded batches carry a mask: fine
+    flat = PaddingFreeCollator(pad_token_id=0)(DOCS)
+    with pytest.raises(ValueError, match="'ignores_documents' lets packed documents attend to each other"):
+        module.compute_loss(flat)
+
+
+def test_a_new_implementation_that_keeps_documents_apart_is_probed_once_and_trains(tmp_path, monkeypatch):
+    from lightning.pytorch import Trainer
+
+    import lit_memtrain.objectives.causal_lm as module_file
+
+    probed = []
+    probe = module_file.probe_document_isolation
+    monkeypatch.setattr(module_file, "probe_document_isolation", lambda *args: probed.append(args[2]) or probe(*args))
+    module = CausalLMModule(preset="tiny-qwen3", tokenizer="lit-memtrain/embedded", attn_implementation="keeps_documents_apart")
+    trainer = Trainer(max_steps=3, logger=False, enable_progress_bar=False, enable_checkpointing=False, default_root_dir=tmp_path)
+    trainer.fit(module, datamodule=SFTDataModule(max_length=40, packing=True, batch_size=2))
+    assert probed == ["keeps_documents_apart"]
+    assert module.last_train_loss is not None
+
+
+def test_a_packed_fit_with_a_leaking_implementation_stops_before_training(tmp_path):
+    from lightning.pytorch import Trainer
+
+    module = CausalLMModule(preset="tiny-qwen3", tokenizer="lit-memtrain/embedded", attn_implementation="ignores_documents")
+    trainer = Trainer(max_steps=3, logger=False, enable_progress_bar=False, enable_checkpointing=False, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match="lets packed documents attend to each other"):
+        trainer.fit(module, datamodule=SFTDataModule(max_length=40, packing=True, batch_size=2))
+    assert trainer.global_step == 0 and module.first_train_loss is None
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "sdpa_by_document"])
+def test_implementations_proven_by_tests_skip_the_probe(attn, monkeypatch):
+    import lit_memtrain.objectives.causal_lm as module_file
+
+    monkeypatch.setattr(module_file, "probe_document_isolation", lambda *args: pytest.fail("probed"))
+    module = CausalLMModule(preset="tiny-qwen3", attn_implementation=attn)
+    module.configure_model()
+    module.compute_loss(PaddingFreeCollator(pad_token_id=0)(DOCS))
+
+
+@pytest.mark.parametrize("strategy", ["bfd", "bfd_split", "wrapped"])
+def test_datamodule_packs_after_truncation_and_batches_padding_free(strategy):
+    plain = SFTDataModule(max_length=40)
+    plain.setup("fit")
+    packed = SFTDataModule(max_length=40, packing=True, packing_strategy=strategy, batch_size=2)
+    packed.setup("fit")
+    tokens = sum(len(ids) for ids in plain.train_dataset["input_ids"])
+    assert sum(len(ids) for ids in packed.train_dataset["input_ids"]) == tokens  # examples are < 40 tokens
+    assert max(len(ids) for ids in packed.train_dataset["input_ids"]) <= 40
+    batch = next(iter(packed.train_dataloader()))
+    assert batch["input_ids"].shape[0] == 1 and "attention_mask" not in batch
+    assert batch["position_ids"][0, 0] == 0
+
+
+def test_packing_requires_padding_free():
+    with pytest.raises(ValueError, match="packing=True needs padding-free batches"):
+        SFTDataModule(packing=True, padding_free=False)
+    with pytest.raises(ValueError, match="packing_strategy must be one of"):
+        SFTDataModule(packing=True, packing_strategy="greedy")

@@ -1,0 +1,128 @@
+"""Throughput monitoring: tokens and attention pairs counted from host batches, model FLOPs from the config,
+a device sync only every log_every_n_steps, no .item() in the training step, MFU only where a peak is known."""
+
+from __future__ import annotations
+
+import csv
+import traceback
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.data import DataLoader
+from transformers import AutoModelForCausalLM
+
+import lit_memtrain.objectives.causal_lm as module_file
+from lit_memtrain.datamodules.collate import PaddedCollator
+from lit_memtrain.datamodules.padding_free import PaddingFreeCollator
+from lit_memtrain.objectives.causal_lm import CausalLMModule
+from lit_memtrain.models.presets import build_config
+from lit_memtrain.objectives.throughput import attention_pairs, count_tokens, matmul_parameters, training_flops
+
+DOCS = [{"input_ids": ids, "labels": ids} for ids in ([5, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23])]
+
+
+def test_tokens_and_attention_pairs_of_padded_and_padding_free_batches():
+    padded = PaddedCollator(pad_token_id=0, pad_to_multiple_of=8)(DOCS)
+    flat = PaddingFreeCollator(pad_token_id=0, pad_to_multiple_of=16)(DOCS)
+    assert count_tokens(padded) == count_tokens(flat) == 13
+    pairs = 6 * 7 // 2 + 3 * 4 // 2 + 4 * 5 // 2  # causal: each token sees itself and its document's earlier ones
+    assert attention_pairs(padded) == pairs
+    assert attention_pairs(flat) == pairs + 3 * 4 // 2  # the 3 padding tokens form a segment of their own
+    assert attention_pairs({"input_ids": torch.zeros(2, 4, dtype=torch.long)}) == 2 * 10
+
+
+def test_model_flops_count_every_matrix_but_the_input_embedding_and_a_share_of_the_experts():
+    llama = AutoModelForCausalLM.from_config(build_config("tiny-llama"))  # untied head: counted on its own
+    matrices = sum(p.numel() for n, p in llama.named_parameters() if p.dim() == 2 and "embed_tokens" not in n)
+    assert matmul_parameters(llama) == matrices
+    config = llama.config
+    width = config.num_attention_heads * (config.hidden_size // config.num_attention_heads)
+    assert training_flops(llama, 100, 600) == 6 * matrices * 100 + 12 * config.num_hidden_layers * width * 600
+    qwen = AutoModelForCausalLM.from_config(build_config("tiny-qwen3"))  # tied head: the embedding matrix counts once
+    embedding = qwen.get_input_embeddings().weight.numel()
+    assert matmul_parameters(qwen) == sum(p.numel() for p in qwen.parameters() if p.dim() == 2)
+    assert matmul_parameters(qwen) > embedding
+    moe = AutoModelForCausalLM.from_config(
+        build_config("tiny-qwen3", {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 1, "moe_intermediate_size": 32})
+    )
+    experts = sum(p.numel() for n, p in moe.named_parameters() if ".experts." in n)
+    dense = sum(p.numel() for n, p in moe.named_parameters() if p.dim() >= 2 and ".experts." not in n)
+    assert experts > 0 and matmul_parameters(moe) == dense + experts / 4
+
+
+def _fit(
+    tmp_path, max_steps: int, every: int, accumulate: int = 1, padded: bool = True, **module_kwargs
+) -> tuple[CausalLMModule, list[dict[str, str]]]:
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 10:] = 0
+    batch = {"input_ids": ids, "labels": ids.masked_fill(mask == 0, -100), "attention_mask": mask}
+    if not padded:  # transformers reads a padding mask's values to build its attention mask
+        batch = {"input_ids": ids, "labels": ids}
+    batches = [batch] * (max_steps * accumulate)
+    module = CausalLMModule(preset="tiny-qwen3", **module_kwargs)
+    trainer = Trainer(
+        accelerator="cpu", max_steps=max_steps, log_every_n_steps=every, accumulate_grad_batches=accumulate,
+        logger=CSVLogger(tmp_path, name="", version=""), enable_progress_bar=False, enable_checkpointing=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module, DataLoader(batches, batch_size=None))
+    with (tmp_path / "metrics.csv").open() as file:
+        return module, [row for row in csv.DictReader(file)]
+
+
+def test_throughput_is_measured_every_log_every_n_steps_with_one_sync_each(tmp_path, monkeypatch):
+    syncs = []
+    monkeypatch.setattr(module_file, "_synchronize", lambda device: syncs.append(device))
+    module, rows = _fit(tmp_path, max_steps=5, every=2)
+    assert len(syncs) == 1 + 3  # at the start, then after steps 2, 4 and the last (5)
+    assert module.train_tokens_seen == 5 * (16 + 10)
+    logged = [row for row in rows if row.get("train/tokens_per_sec")]
+    assert logged
+    for row in logged:
+        assert float(row["train/tokens_per_sec"]) == pytest.approx(float(row["train/device/tokens_per_sec"]))
+        assert float(row["train/device/flops_per_sec"]) > float(row["train/tokens_per_sec"]) * 6e5
+        assert "train/device/mfu" not in row or row["train/device/mfu"] == ""  # no peak FLOP/s on a CPU
+
+
+def test_mfu_is_model_flops_per_second_over_the_devices_peak(tmp_path, monkeypatch):
+    monkeypatch.setattr(module_file, "peak_flops", lambda device, dtype: 1e9)
+    _, rows = _fit(tmp_path, max_steps=2, every=1)
+    row = [row for row in rows if row.get("train/device/mfu")][-1]
+    assert float(row["train/device/mfu"]) == pytest.approx(float(row["train/device/flops_per_sec"]) / 1e9)
+
+
+class _CountScalarReads(TorchDispatchMode):
+    """Records reads of a tensor's value into Python (``.item()``, ``float()``, ``int()``: device syncs on a
+    GPU) made by lit_memtrain's own code (the model's own code reads some, for its masks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            caller = next(f for f in reversed(traceback.extract_stack()[:-1]) if "/torch/" not in f.filename)
+            if "lit_memtrain" in caller.filename:
+                self.reads.append(f"{caller.filename}:{caller.lineno}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_the_training_step_reads_no_value_from_the_device(tmp_path, monkeypatch, accumulate):
+    counter = _CountScalarReads()
+    training_step = CausalLMModule.training_step
+
+    def counted(self, batch, batch_idx):
+        self.run_setup_probes(batch)  # the one-off setup probe is not part of the step
+        with counter:
+            return training_step(self, batch, batch_idx)
+
+    monkeypatch.setattr(CausalLMModule, "training_step", counted)
+    # sdpa: the attention's own mask construction (transformers' for sdpa, ours for sdpa_by_document) reads
+    # position values once per forward to find packed documents; this test is about the step around it.
+    _fit(tmp_path, max_steps=2, every=1, accumulate=accumulate, padded=False, attn_implementation="sdpa")
+    assert counter.reads == []

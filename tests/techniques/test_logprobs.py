@@ -1,0 +1,69 @@
+"""Chunked token log-probabilities equal the plain ones computed from full logits, in value and gradients."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lit_memtrain.techniques.logprobs import chunked_token_log_probs, token_log_probs
+
+
+def _inputs(bias: bool, rows: int = 37, hidden: int = 16, vocab: int = 50):
+    torch.manual_seed(0)
+    h = torch.randn(rows, hidden, requires_grad=True)
+    w = (torch.randn(vocab, hidden) * 0.3).requires_grad_()
+    b = torch.randn(vocab, requires_grad=True) if bias else None
+    targets = torch.randint(0, vocab, (rows,))
+    targets[::3] = -100
+    return h, w, b, targets
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 1024])
+@pytest.mark.parametrize(("softcap", "scale", "bias"), [(None, 1.0, False), (3.0, 0.5, True), (None, 2.0, True)])
+def test_chunked_log_probs_equal_plain_ones_with_gradients(chunk_size, softcap, scale, bias):
+    h, w, b, targets = _inputs(bias)
+    weights = torch.randn(h.shape[0])  # any downstream use: a weighted sum of log-probs
+    plain = token_log_probs(F.linear(h, w, b), targets, softcap, scale)
+    (plain * weights).sum().backward()
+    expected = [t.grad.clone() for t in (h, w, b) if t is not None]
+    for t in (h, w, b):
+        if t is not None:
+            t.grad = None
+    chunked = chunked_token_log_probs(h, w, targets, chunk_size, softcap, b, scale)
+    (chunked * weights).sum().backward()
+    torch.testing.assert_close(chunked, plain, rtol=1e-5, atol=1e-6)
+    for got, want in zip([t.grad for t in (h, w, b) if t is not None], expected):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    assert (chunked[targets == -100] == 0).all()
+
+
+def test_plain_log_probs_are_log_softmax_at_the_target():
+    h, w, b, targets = _inputs(True)
+    logits = F.linear(h, w, b)
+    kept = targets != -100
+    expected = F.log_softmax(torch.tanh(logits * 0.5 / 3.0) * 3.0, -1)[kept].gather(1, targets[kept, None]).squeeze(1)
+    torch.testing.assert_close(token_log_probs(logits, targets, softcap=3.0, scale=0.5)[kept], expected)
+
+
+def test_no_kept_target_gives_zeros_and_zero_gradients():
+    h, w, _, targets = _inputs(False)
+    out = chunked_token_log_probs(h, w, torch.full_like(targets, -100), 4)
+    out.sum().backward()
+    assert (out == 0).all() and (h.grad == 0).all() and (w.grad == 0).all()
+
+
+def test_chunked_log_probs_follow_autocast_like_a_plain_linear():
+    h, w, _, targets = _inputs(False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        chunked = chunked_token_log_probs(h, w, targets, 8)
+        plain = token_log_probs(F.linear(h, w), targets)
+    torch.testing.assert_close(chunked, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_inputs_are_refused():
+    h, w, _, targets = _inputs(False)
+    with pytest.raises(ValueError, match="hidden must be"):
+        chunked_token_log_probs(h, w.t(), targets)
+    with pytest.raises(TypeError, match="share one floating dtype"):
+        chunked_token_log_probs(h, w.double(), targets)
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunked_token_log_probs(h, w, targets, 0)

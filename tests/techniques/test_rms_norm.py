@@ -1,0 +1,100 @@
+"""The chunked RMSNorm equals the model's own (Qwen3, Llama): forward, gradients, the probe's verdicts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+from lit_memtrain.techniques.rms_norm import apply_chunked_rms_norm, chunked_rms_norm, probe_rms_norm
+
+HIDDEN = 48
+
+
+def _norm(cls: type, dtype: torch.dtype) -> nn.Module:
+    norm = cls(HIDDEN, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1.0 + 0.3 * torch.randn(HIDDEN, generator=torch.Generator().manual_seed(1)))
+    return norm
+
+
+def _forward_backward(fn, norm: nn.Module, x: torch.Tensor, grad: torch.Tensor):
+    x = x.detach().requires_grad_(True)
+    norm.weight.grad = None
+    out = fn(x)
+    out.backward(grad)
+    return out.detach(), x.grad, norm.weight.grad
+
+
+@pytest.mark.parametrize("cls", [Qwen3RMSNorm, LlamaRMSNorm])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_and_gradients_equal_the_models_norm(cls, dtype):
+    norm = _norm(cls, dtype)
+    generator = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(2, 37, 4, HIDDEN, generator=generator)).to(dtype)  # [batch, tokens, heads, head_dim]
+    grad = torch.randn(x.shape, generator=generator).to(dtype)
+    expected = _forward_backward(norm, norm, x, grad)
+    chunk = HIDDEN * 5  # 5 rows a chunk: 30 chunks, the last shorter
+    got = _forward_backward(lambda t: chunked_rms_norm(t, norm.weight, norm.variance_epsilon, chunk), norm, x, grad)
+    assert torch.equal(got[0], expected[0])  # the module's own operations on each chunk
+    tolerance = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {}  # bf16: its own rounding
+    torch.testing.assert_close(got[1], expected[1], **tolerance)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got[2], expected[2], rtol=1e-6, atol=1e-5)
+    else:  # autograd sums the weight's gradient in bf16, the chunks in fp32: compare both with the fp64 one
+        reference = _forward_backward(norm.to(torch.float64), norm, x.double(), grad.double())[2]
+        assert (got[2].double() - reference).abs().max() <= (expected[2].double() - reference).abs().max() + 0.25
+
+
+def test_under_autocast_the_output_dtype_and_values_are_the_models():
+    norm = _norm(Qwen3RMSNorm, torch.float32)  # fp32 weights, bf16 activations: bf16-mixed
+    x = torch.randn(3, 20, HIDDEN).to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, got = norm(x), chunked_rms_norm(x, norm.weight, norm.variance_epsilon, HIDDEN * 7)
+    assert got.dtype == expected.dtype and torch.equal(got, expected)
+
+
+def test_only_the_input_and_rstd_are_saved():
+    norm = _norm(Qwen3RMSNorm, torch.bfloat16)
+    x = torch.randn(64, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        chunked_rms_norm(x, norm.weight, norm.variance_epsilon, HIDDEN * 8)
+    assert sorted((tuple(t.shape), t.dtype) for t in saved) == sorted(
+        [((64, HIDDEN), torch.bfloat16), ((HIDDEN,), torch.bfloat16), ((64, 1), torch.float32)]
+    )
+
+
+def test_the_probe_accepts_llama_and_qwen3_and_rejects_other_norms():
+    assert probe_rms_norm(_norm(Qwen3RMSNorm, torch.bfloat16)) is None
+    assert probe_rms_norm(_norm(LlamaRMSNorm, torch.float32)) is None
+    assert "variance_epsilon" in probe_rms_norm(GemmaRMSNorm(HIDDEN))  # 1 + weight, under another name
+
+    class WeightInFp32(LlamaRMSNorm):  # same attributes, weight applied before the cast back
+        def forward(self, hidden_states):
+            x = hidden_states.float()
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            return (self.weight.float() * x).to(hidden_states.dtype)
+
+    assert "differs" in probe_rms_norm(_norm(WeightInFp32, torch.bfloat16))
+
+
+def test_apply_replaces_the_norms_it_proves_and_restores_them():
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = _norm(Qwen3RMSNorm, torch.float32), GemmaRMSNorm(HIDDEN)
+
+    block = Block()
+    restore, skipped = apply_chunked_rms_norm(block.modules())
+    assert "forward" in vars(block.a) and "forward" not in vars(block.b)
+    assert list(skipped) == ["GemmaRMSNorm"]
+    with pytest.raises(ValueError, match="already chunked"):
+        apply_chunked_rms_norm(block.modules())
+    restore()
+    assert "forward" not in vars(block.a)
+    with pytest.raises(ValueError, match="chunk_elements must be a positive int"):
+        apply_chunked_rms_norm(block.modules(), chunk_elements=0)
