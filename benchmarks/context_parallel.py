@@ -29,9 +29,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
-from lit_memtrain.parallel.context_parallel import global_target_count, install_attention, shard_batch, shard_loss
 from lit_memtrain.datamodules.padding_free import PaddingFreeCollator
 from lit_memtrain.models.presets import build_config
+from lit_memtrain.parallel.context_parallel import install_attention, shard_batch
+from lit_memtrain.techniques.loss import chunked_cross_entropy
 
 METHODS = ("ulysses", "ring")
 
@@ -64,8 +65,8 @@ def one_process_step(model: torch.nn.Module, batch: dict[str, Any]) -> None:
         use_cache=False,
     ).last_hidden_state  # fmt: skip
     shard = shard_batch(batch, 0, 1, "ulysses")  # cp 1: the whole row, targets shifted
-    targets = shard.batch["shift_labels"]
-    shard_loss(hidden, model.lm_head.weight, targets, int((targets != -100).sum())).backward()
+    targets = shard.batch["shift_labels"].flatten()
+    chunked_cross_entropy(hidden.flatten(0, 1), model.lm_head.weight, targets).backward()
 
 
 def context_parallel_step(model: torch.nn.Module, shard: Any, group: dist.ProcessGroup) -> None:
@@ -73,8 +74,10 @@ def context_parallel_step(model: torch.nn.Module, shard: Any, group: dist.Proces
     hidden = model.model(
         input_ids=shard.batch["input_ids"], position_ids=shard.batch["position_ids"], use_cache=False
     ).last_hidden_state
-    targets = shard.batch["shift_labels"]
-    shard_loss(hidden, model.lm_head.weight, targets, global_target_count(targets, group)).backward()
+    targets = shard.batch["shift_labels"].flatten()
+    count = (targets != -100).sum()
+    dist.all_reduce(count, group=group)  # the row's trainable targets, over the group
+    chunked_cross_entropy(hidden.flatten(0, 1), model.lm_head.weight, targets, count).backward()
 
 
 def exchange_seconds(profile: torch.profiler.profile) -> float:

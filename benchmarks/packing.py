@@ -137,7 +137,8 @@ def main() -> None:
 
     import trl
 
-    from lit_memtrain.datamodules.packing import STRATEGIES, pack_dataset
+    from lit_memtrain.datamodules.packing import pack_dataset
+    from lit_memtrain.datamodules.packing_plan import STRATEGIES
 
     compile_package()
 

@@ -1,4 +1,8 @@
-"""Lightning callbacks, one memory technique or diagnostic each."""
+"""Lightning callbacks, one memory technique or diagnostic each.
+
+The technique callbacks exported here describe themselves to the memory planner
+(:class:`~lit_memtrain.callbacks.technique_description.PlannedTechnique`), which finds them in this list.
+"""
 
 from lit_memtrain.callbacks.activation_offloading import ActivationOffloading
 from lit_memtrain.callbacks.allocator_settings import AllocatorSettings
@@ -8,16 +12,26 @@ from lit_memtrain.callbacks.memory_bounded_throughput import MemoryBoundedThroug
 from lit_memtrain.callbacks.memory_monitor import MemoryMonitor
 from lit_memtrain.callbacks.memory_plan_check import MemoryPlanCheck
 from lit_memtrain.callbacks.positional_loss import PositionalLoss
+from lit_memtrain.callbacks.technique_description import (
+    CompareRow,
+    PlannedTechnique,
+    Suggestion,
+    TechniqueDescription,
+)
 from lit_memtrain.callbacks.tiled_mlp import TiledMLP
 
 __all__ = [
     "ActivationOffloading",
     "AllocatorSettings",
     "ChunkedRMSNorm",
+    "CompareRow",
     "GradientCheckpointing",
     "MemoryBoundedThroughput",
     "MemoryMonitor",
     "MemoryPlanCheck",
+    "PlannedTechnique",
     "PositionalLoss",
+    "Suggestion",
+    "TechniqueDescription",
     "TiledMLP",
 ]

@@ -18,6 +18,7 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lit_memtrain.callbacks.technique_description import CompareRow, TechniqueDescription
 from lit_memtrain.techniques.offload import ActivationOffloader
 
 __all__ = ["ActivationOffloading"]
@@ -61,6 +62,23 @@ class ActivationOffloading(Callback):
         self.layers_path = layers_path
         self.offload_cpu_tensors_for_testing = offload_cpu_tensors_for_testing
         self.offloader: ActivationOffloader | None = None
+
+    def describe_for_planner(self) -> TechniqueDescription:
+        """Activation offloading for ``lit-memtrain plan``: compared in place of offloaded checkpoints (under
+        checkpointing both move each layer's input to the host, by two mechanisms; on top of offloaded checkpoints
+        it would find nothing left to move); not suggested."""
+        return TechniqueDescription(
+            "activation offloading",
+            order=50,
+            rows=(
+                CompareRow(
+                    "+ activation offloading",
+                    50,
+                    note="in place of offloaded checkpoints",
+                    in_place_of="+ offloaded checkpoints",
+                ),
+            ),
+        )
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.offloader = ActivationOffloader(

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lit_memtrain.callbacks.technique_description import CompareRow, Suggestion, TechniqueDescription
 from lit_memtrain.techniques.rms_norm import DEFAULT_CHUNK_ELEMENTS, apply_chunked_rms_norm, validate_chunk_elements
 
 __all__ = ["ChunkedRMSNorm"]
@@ -37,6 +38,17 @@ class ChunkedRMSNorm(Callback):
         validate_chunk_elements(chunk_elements)
         self.chunk_elements = chunk_elements
         self._restore: Callable[[], None] | None = None
+
+    def describe_for_planner(self) -> TechniqueDescription:
+        """Chunked RMSNorms for ``lit-memtrain plan``: the last row of ``--compare``, on the row above it; suggested
+        after offloaded checkpoints. A model whose norms the probe rejects (Gemma's) refuses it: its row then says
+        why, and it is not suggested."""
+        return TechniqueDescription(
+            "chunked RMSNorm",
+            order=80,
+            rows=(CompareRow("+ chunked RMSNorm", 80),),
+            suggestions=(Suggestion("chunked RMSNorm (callback lit_memtrain.callbacks.ChunkedRMSNorm)", 50),),
+        )
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         found = {type(module).__name__ for module in pl_module.modules() if type(module).__name__.endswith("RMSNorm")}

@@ -16,8 +16,10 @@ from collections.abc import Callable
 from lightning.pytorch import Callback, LightningModule, Trainer
 from transformers import PretrainedConfig
 
-from lit_memtrain.techniques.checkpointing import apply_checkpointing
+from lit_memtrain.callbacks.activation_offloading import ActivationOffloading
+from lit_memtrain.callbacks.technique_description import CompareRow, Suggestion, TechniqueDescription
 from lit_memtrain.models.layers import find_decoder_layers
+from lit_memtrain.techniques.checkpointing import apply_checkpointing
 
 __all__ = ["GradientCheckpointing"]
 
@@ -50,6 +52,39 @@ class GradientCheckpointing(Callback):
         self.layers_path = layers_path
         self._restore: Callable[[], None] | None = None
         self._caching_configs: list[PretrainedConfig] = []
+
+    def describe_for_planner(self) -> TechniqueDescription:
+        """Checkpointing for ``lit-memtrain plan``: full, then offloaded, checkpoints in ``--compare``; suggested
+        first, offloaded next, and full instead of selective last (selective keeps more on the device)."""
+        words = {
+            (False, False): "gradient checkpointing",
+            (True, False): "selective checkpointing",
+            (False, True): "checkpointing with offloaded inputs",
+            (True, True): "selective checkpointing with offloaded inputs",
+        }[(self.selective, self.offload)]
+        return TechniqueDescription(
+            words,
+            order=10,
+            rows=(
+                CompareRow("+ checkpointing", 10, {"selective": False, "offload": False}),
+                CompareRow("+ offloaded checkpoints", 40, {"offload": True}),
+            ),
+            suggestions=(
+                Suggestion("gradient checkpointing (callback lit_memtrain.callbacks.GradientCheckpointing)", 10),
+                # Activation offloading already moves what offloaded checkpoints would (each layer's input).
+                Suggestion(
+                    "offloaded checkpoints (GradientCheckpointing with init_args offload: true)",
+                    40,
+                    {"offload": True},
+                    unless=(ActivationOffloading,),
+                ),
+                Suggestion(
+                    "full instead of selective checkpointing (GradientCheckpointing with init_args selective: false)",
+                    60,
+                    {"selective": False},
+                ),
+            ),
+        )
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         try:

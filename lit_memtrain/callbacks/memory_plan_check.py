@@ -8,15 +8,18 @@ that builds its own ``Trainer``, and it checks every fit instead of only the one
 Lightning calls ``configure_model``, where :class:`~lit_memtrain.objectives.causal_lm.CausalLMModule` builds the model and
 loads the weights, so a configuration that cannot fit is caught before minutes of loading on a rented GPU.
 
-How: the module's arguments, the datamodule's ``max_length`` and ``batch_size``, the precision, the strategy and
-the memory callbacks are handed to ``lit-memtrain plan`` in a child process (a simulation must run in a
-process of its own, see :mod:`lit_memtrain.planner.simulate`). Only global rank 0 simulates; with
-``stop=True`` every rank learns the verdict and stops together.
+How: the fit is described as the configuration LightningCLI would parse for it (the module's and the
+datamodule's arguments, the precision, the strategy and the callbacks: :mod:`lit_memtrain.callbacks.live_fit`)
+and handed to ``lit-memtrain plan`` in a child process (a simulation must run in a process of its own, see
+:mod:`lit_memtrain.planner.simulate`), which refuses what it cannot plan with the reason. The callback imports
+nothing of the planner, which sits above it. Only global rank 0 simulates; with ``stop=True`` every rank learns
+the verdict and stops together.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -27,11 +30,13 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from lit_memtrain.callbacks.live_fit import fit_config
 from lit_memtrain.models.builder import ModelRecipe
 
 __all__ = ["MemoryPlanCheck"]
 
 _GIB = 2**30
+_REFUSAL = "lit-memtrain plan: error: "  # what the planner prints before a configuration it cannot plan (status 2)
 
 
 class MemoryPlanCheck(Callback):
@@ -103,21 +108,20 @@ class MemoryPlanCheck(Callback):
         if gpu_memory_gib is None:
             rank_zero_info(f"MemoryPlanCheck: training on {device.type}, not CUDA; give gpu_memory_gib to plan anyway.")
             return None
-        from lit_memtrain.planner.fit_config import settings_from_trainer
-
-        try:
-            settings = settings_from_trainer(trainer, pl_module, datamodule)
-        except ValueError as error:  # a module or data whose step the planner does not know
-            rank_zero_warn(f"MemoryPlanCheck cannot plan this fit, skipped: {error}")
-            return None
         with tempfile.TemporaryDirectory() as directory:
-            path = Path(directory) / "settings.json"
-            path.write_text(json.dumps(settings.to_dict()))
-            command = [sys.executable, "-m", "lit_memtrain.planner.command", "--settings", str(path), "--json",
+            path = Path(directory) / "fit_config.json"
+            path.write_text(json.dumps(fit_config(trainer, pl_module, datamodule)))
+            command = [sys.executable, "-m", "lit_memtrain.planner.command", "--fit-config", str(path), "--json",
                        "--gpu-memory", str(gpu_memory_gib), "--margin", str(self.margin)]  # fmt: skip
-            result = subprocess.run(command, capture_output=True, text=True, timeout=self.timeout)
+            # The child imports the fit's classes (a module or callback of the user's own) as this process does.
+            environment = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+            result = subprocess.run(command, capture_output=True, text=True, timeout=self.timeout, env=environment)
+        stderr = result.stderr.strip()
+        if result.returncode == 2 and _REFUSAL in stderr:  # a module, data or option the planner cannot plan
+            rank_zero_warn(f"MemoryPlanCheck cannot plan this fit, skipped: {stderr.rsplit(_REFUSAL, 1)[1]}")
+            return None
         if result.returncode != 0:
-            rank_zero_warn(f"MemoryPlanCheck could not plan this fit: {result.stderr.strip()[-2000:]}")
+            rank_zero_warn(f"MemoryPlanCheck could not plan this fit: {stderr[-2000:]}")
             return None
         plan = json.loads(result.stdout)
         rank_zero_info(

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from lit_memtrain.callbacks.technique_description import CompareRow, Suggestion, TechniqueDescription
 from lit_memtrain.models.layers import find_decoder_layers
 from lit_memtrain.techniques.tiled_mlp import apply_tiled_mlp, validate_num_tiles
 
@@ -44,6 +45,15 @@ class TiledMLP(Callback):
         self.num_tiles = num_tiles
         self.layers_path = layers_path
         self._restore: Callable[[], None] | None = None
+
+    def describe_for_planner(self) -> TechniqueDescription:
+        """Tiled MLPs for ``lit-memtrain plan``: compared after the chunked loss, suggested after it."""
+        return TechniqueDescription(
+            "tiled MLP",
+            order=30,
+            rows=(CompareRow("+ tiled MLP", 30),),
+            suggestions=(Suggestion("tiled MLPs (callback lit_memtrain.callbacks.TiledMLP)", 30),),
+        )
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         try:

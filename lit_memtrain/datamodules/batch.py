@@ -10,7 +10,14 @@ drifts. A batch is a dict of tensors:
   ``position_ids`` restarting at 0 per document, ``cu_seq_lens_q/k`` and ``max_length_q/k`` (flash-attn's varlen
   bounds), ``seq_lengths``, ``num_tokens`` (real tokens, the rest is padding);
 - ``shift_labels`` ``[B, L]`` (targets already aligned with each position) replaces ``labels`` on a sequence
-  shard of a context-parallel group, shifted on the whole row before it was cut.
+  shard of a context-parallel group, shifted on the whole row before it was cut;
+- counts for the loss and the throughput meter, never passed to the model (:data:`BATCH_ONLY_KEYS`):
+  ``num_tokens``, ``seq_lengths``, ``attention_pairs`` (a sequence shard's share of its rows' attention pairs) and
+  ``step_trainable_tokens`` (the trainable targets of the batch's whole optimizer step, tagged by
+  :mod:`lit_memtrain.objectives.step_tokens`); ``num_trainable_tokens``, which collators of 0.1 wrote, is kept
+  from the model too.
+
+:func:`model_inputs` is what the model's forward takes from a batch.
 """
 
 from __future__ import annotations
@@ -20,9 +27,24 @@ from typing import Any
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["IGNORE_INDEX", "batch_targets", "shift_targets"]
+__all__ = [
+    "BATCH_ONLY_KEYS",
+    "IGNORE_INDEX",
+    "STEP_TRAINABLE_TOKENS",
+    "VARLEN_KEYS",
+    "batch_targets",
+    "is_padding_free",
+    "model_inputs",
+    "shift_targets",
+]
 
 IGNORE_INDEX = -100  # a label the loss skips (prompt tokens, padding, each document's first token)
+STEP_TRAINABLE_TOKENS = "step_trainable_tokens"
+BATCH_ONLY_KEYS = (
+    "labels", "shift_labels", "num_trainable_tokens", "num_tokens", "seq_lengths", "attention_pairs",
+    STEP_TRAINABLE_TOKENS,
+)  # fmt: skip
+VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")  # a padding-free row's documents
 
 
 def shift_targets(labels: Tensor) -> Tensor:
@@ -34,3 +56,27 @@ def batch_targets(batch: dict[str, Any]) -> Tensor:
     """The batch's targets aligned with each position: ``shift_labels`` as given (a context-parallel shard), else
     ``labels`` shifted here."""
     return batch["shift_labels"] if "shift_labels" in batch else shift_targets(batch["labels"])
+
+
+def is_padding_free(batch: dict[str, Any]) -> bool:
+    """One row of several documents told apart by ``position_ids`` restarting at 0, without an attention mask."""
+    return "position_ids" in batch and "attention_mask" not in batch
+
+
+def model_inputs(batch: dict[str, Any], varlen: bool = False, cu_seq_lens_on_host: bool = False) -> dict[str, Any]:
+    """The keyword arguments of the model's forward for ``batch``: every key but :data:`BATCH_ONLY_KEYS`, and
+    ``use_cache=False`` (training needs no key-value cache).
+
+    A padding-free row's document bounds (:data:`VARLEN_KEYS`) go only to an attention that reads them: all four
+    as they are with ``varlen`` (flash-attn's varlen kernel), ``cu_seq_lens_q`` alone and on the host with
+    ``cu_seq_lens_on_host`` (an attention that runs each document in turn reads the bounds once per step this way,
+    not once per layer). Which one an attention implementation is, the caller says: data code knows no model.
+    """
+    inputs = {k: v for k, v in batch.items() if k not in BATCH_ONLY_KEYS and k not in VARLEN_KEYS}
+    if is_padding_free(batch):
+        if varlen:
+            inputs.update({k: batch[k] for k in VARLEN_KEYS if k in batch})
+        elif cu_seq_lens_on_host and "cu_seq_lens_q" in batch:
+            inputs["cu_seq_lens_q"] = batch["cu_seq_lens_q"].cpu()
+    inputs["use_cache"] = False
+    return inputs

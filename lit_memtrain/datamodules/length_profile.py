@@ -6,7 +6,7 @@ depends on how much padding a given ``max_length`` would cost. This report answe
 per-example token counts alone, without a model: for each candidate ``max_length`` it gives the
 share of tokens and examples truncated and the share of token slots wasted by three layouts --
 padding each batch to its longest example, padding every example to ``max_length``, and packing
-with Best-Fit Decreasing (:func:`lit_memtrain.datamodules.packing.plan_packing`).
+with Best-Fit Decreasing (:func:`lit_memtrain.datamodules.packing_plan.plan_packing`).
 
 Recommendation rule: the smallest candidate that truncates at most ``max_truncated_token_share``
 (1% by default) of all tokens; the largest candidate when none does.
@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from lit_memtrain.datamodules.packing_plan import plan_packing
 
 PERCENTILES: tuple[int, ...] = (50, 90, 95, 99)
 
@@ -226,8 +228,6 @@ def _profile_candidate(lengths: np.ndarray, max_length: int, batch_size: int, pa
     batch_sizes = np.diff(np.append(batch_starts, len(kept)))
     packing_waste, packed_rows = None, None
     if packing:
-        from lit_memtrain.datamodules.packing import plan_packing  # here: packing needs pyarrow, GPU machines may lack it
-
         plan = plan_packing(lengths, max_length, "bfd")
         packing_waste, packed_rows = (1.0 - plan.fill if plan.num_rows else 0.0), plan.num_rows
     return CandidateProfile(

@@ -42,8 +42,6 @@ class PaddingFreeCollator:
       segments (documents, then padding if any) and ``T`` last.
     - ``max_length_q``, ``max_length_k``: ``int``, the longest segment (computed on CPU, so the
       varlen kernel needs no device-to-host sync).
-    - ``num_trainable_tokens``: ``int``, how many labels are not -100 (the targets the loss sums
-      over; the module normalises the loss by it).
     - ``num_tokens``: ``int``, the real tokens, padding excluded (for throughput metrics).
 
     Args:
@@ -116,7 +114,6 @@ class PaddingFreeCollator:
             "cu_seq_lens_k": cu_seq_lens_tensor.clone(),
             "max_length_q": max_length,
             "max_length_k": max_length,
-            "num_trainable_tokens": int((flat_labels != IGNORE_INDEX).sum()),
             "num_tokens": num_tokens,
         }
 

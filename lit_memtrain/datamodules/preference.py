@@ -25,10 +25,9 @@ from lit_memtrain.datamodules.preference_collate import REFERENCE_COLUMNS, Prefe
 from lit_memtrain.datamodules.preference_tokenize import TruncationMode, detect_preference_format, tokenize_preference
 from lit_memtrain.datamodules.resumable import ResumableDataLoader
 from lit_memtrain.datamodules.resumable_datamodule import ResumableDataModule
-from lit_memtrain.datamodules.sft import _template_error
 from lit_memtrain.datamodules.sources import RawData, RowLocator
 from lit_memtrain.datamodules.splits import check_validation_args, hold_out, load_splits
-from lit_memtrain.datamodules.tokenize import TokenCounts
+from lit_memtrain.datamodules.tokenize import TokenCounts, chat_template_errors
 from lit_memtrain.datamodules.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
@@ -43,7 +42,7 @@ def tokenize_pair(example: dict[str, Any], index: int, locator: RowLocator, **kw
     """:func:`tokenize_preference`, with the file and line of the pair in any error."""
     try:
         return tokenize_preference(example, **kwargs)
-    except (ValueError, TypeError, KeyError, *_template_error()) as error:
+    except (ValueError, TypeError, KeyError, *chat_template_errors()) as error:
         raise ValueError(f"{locator(index)}: {error}") from error
 
 
@@ -286,6 +285,6 @@ def _counts(table: Any) -> TokenCounts:
 
 
 def _lengths(table: Any, column: str) -> np.ndarray:
-    from lit_memtrain.datamodules.packing import _list_lengths
+    from lit_memtrain.datamodules.arrow_lists import list_lengths
 
-    return _list_lengths(table.column(column)).astype(np.int64)
+    return list_lengths(table.column(column)).astype(np.int64)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from lit_memtrain.datamodules.tokenize import ExampleError, _field, tokenize_prompt_completion
+from lit_memtrain.datamodules.tokenize import ExampleError, required_field, tokenize_prompt_completion
 from lit_memtrain.datamodules.batch import IGNORE_INDEX
 
 TruncationMode = Literal["keep_start", "keep_end"]
@@ -93,9 +93,9 @@ def tokenize_preference(
         ExampleError: a missing value, mixed string and message values, a pair with no completion, or a
             prompt that leaves no room for a completion token within ``max_length``.
     """
-    chosen, rejected = _field(example, "chosen"), _field(example, "rejected")
+    chosen, rejected = required_field(example, "chosen"), required_field(example, "rejected")
     if "prompt" in example:  # a row of an explicit-prompt dataset: never extract a prompt from its completions
-        prompt = _field(example, "prompt")
+        prompt = required_field(example, "prompt")
     else:
         prompt, chosen, rejected = extract_prompt(chosen, rejected)
     sides = [tokenize_prompt_completion({"prompt": prompt, "completion": c}, tokenizer) for c in (chosen, rejected)]

@@ -26,12 +26,19 @@ from torch.utils.data import DataLoader
 
 from lit_memtrain.datamodules.collate import PaddedCollator
 from lit_memtrain.datamodules.embedded import EMBEDDED
+from lit_memtrain.datamodules.packing_plan import STRATEGIES
 from lit_memtrain.datamodules.padding_free import PaddingFreeCollator
 from lit_memtrain.datamodules.resumable import ResumableDataLoader
 from lit_memtrain.datamodules.resumable_datamodule import ResumableDataModule
 from lit_memtrain.datamodules.sources import RawData, RowLocator, load_raw_dataset, raise_for_invalid_json
 from lit_memtrain.datamodules.splits import check_validation_args, hold_out, load_splits
-from lit_memtrain.datamodules.tokenize import DatasetFormat, TokenCounts, detect_format, tokenize_example
+from lit_memtrain.datamodules.tokenize import (
+    DatasetFormat,
+    TokenCounts,
+    chat_template_errors,
+    detect_format,
+    tokenize_example,
+)
 from lit_memtrain.datamodules.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:  # pyarrow and datasets are imported where data is read: the module imports without them
@@ -42,19 +49,11 @@ if TYPE_CHECKING:  # pyarrow and datasets are imported where data is read: the m
 __all__ = ["SFTDataModule", "load_raw_dataset"]
 
 
-def _template_error() -> tuple[type[BaseException], ...]:
-    try:
-        from jinja2.exceptions import TemplateError
-    except ImportError:
-        return ()
-    return (TemplateError,)
-
-
 def tokenize_row(example: dict[str, Any], index: int, locator: RowLocator, **kwargs: Any) -> dict[str, Any]:
     """:func:`tokenize_example`, with the file and line of the row in any error."""
     try:
         return tokenize_example(example, **kwargs)
-    except (ValueError, TypeError, KeyError, *_template_error()) as error:
+    except (ValueError, TypeError, KeyError, *chat_template_errors()) as error:
         raise ValueError(f"{locator(index)}: {error}") from error
 
 
@@ -179,8 +178,6 @@ class SFTDataModule(ResumableDataModule):
                 "packing=True needs padding-free batches (position ids restarting per document keep packed "
                 "documents apart); drop padding_free=False."
             )
-        from lit_memtrain.datamodules.packing import STRATEGIES
-
         if packing_strategy not in STRATEGIES:
             raise ValueError(f"packing_strategy must be one of {STRATEGIES}, got {packing_strategy!r}.")
         if buffer_size < 1:
@@ -271,7 +268,7 @@ class SFTDataModule(ResumableDataModule):
 
     def _tokenize(self, data: Dataset, raw: RawData, split: str, name: str, max_length: int | None) -> Dataset:
         """Tokenize an in-memory split, drop examples with nothing to train, count and log the tokens."""
-        from lit_memtrain.datamodules.packing import _list_lengths
+        from lit_memtrain.datamodules.arrow_lists import list_lengths
 
         columns = list(data.column_names)
         dataset_format = self._format_of(columns, raw, split, data[0] if len(data) else None)
@@ -285,7 +282,7 @@ class SFTDataModule(ResumableDataModule):
         )
         table = tokenized.with_format("arrow")[:]
         num_tokens = table.column("num_tokens").to_numpy()
-        kept_lengths = _list_lengths(table.column("input_ids"))
+        kept_lengths = list_lengths(table.column("input_ids"))
         keep = table.column("num_trainable").to_numpy() > 0
         counts = TokenCounts(
             examples=len(keep),
@@ -426,10 +423,10 @@ class SFTDataModule(ResumableDataModule):
         if self.streaming:
             stream = self._stream(data.take(sample or 10_000), raw, self.split, "train", train=False, whole=True)
             return np.array([len(row["input_ids"]) for row in stream], dtype=np.int64)
-        from lit_memtrain.datamodules.packing import _list_lengths
+        from lit_memtrain.datamodules.arrow_lists import list_lengths
 
         tokenized = self._tokenize(data, raw, self.split, "train", None)
-        lengths = _list_lengths(tokenized.with_format("arrow")[:].column("input_ids"))
+        lengths = list_lengths(tokenized.with_format("arrow")[:].column("input_ids"))
         return lengths if sample is None else lengths[:sample]
 
     def collator(self) -> PaddedCollator | PaddingFreeCollator:

@@ -33,8 +33,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from lit_memtrain.datamodules.packing import _check_max_length, _check_strategy, _list_lengths, pack_table
+from lit_memtrain.datamodules.arrow_lists import is_list_type, list_lengths
+from lit_memtrain.datamodules.packing_plan import check_max_length, check_strategy
 from lit_memtrain.datamodules.sources import raise_for_invalid_json
+from lit_memtrain.datamodules.table_packing import pack_table
 from lit_memtrain.datamodules.tokenize import TokenCounts
 
 if TYPE_CHECKING:
@@ -90,9 +92,9 @@ class PackedStream(torch.utils.data.IterableDataset):
         on_pass_end: Callable[[TokenCounts], None] | None = None,
         files: tuple[str, ...] = (),
     ) -> None:
-        _check_max_length(max_length)
+        check_max_length(max_length)
         if strategy is not None:
-            _check_strategy(strategy)
+            check_strategy(strategy)
         if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 1:
             raise ValueError(f"buffer_size must be an integer >= 1 (examples per window), got {buffer_size!r}.")
         self.source = source if tokenize is not None else source.with_format("arrow")
@@ -190,14 +192,14 @@ class PackedStream(torch.utils.data.IterableDataset):
         if self.tokenize is not None:
             window = self.tokenize(raw, first_index)
             return window.table, window.counts
-        names = [name for name in raw.column_names if _is_list(raw.schema.field(name).type)]
+        names = [name for name in raw.column_names if is_list_type(raw.schema.field(name).type)]
         if not names:
             raise ValueError(
                 f"The stream has no list column to pack among {raw.column_names}; tokenize it first "
                 "(input_ids holding one list of token ids per example)."
             )
         table = raw.select(names).replace_schema_metadata(None)
-        lengths = _list_lengths(table.column(_length_column(table)))
+        lengths = list_lengths(table.column(_length_column(table)))
         tokens = int(lengths.sum())
         counts = TokenCounts(examples=len(lengths), tokens=tokens, kept_tokens=tokens)
         counts.dropped_examples = int((lengths == 0).sum())
@@ -211,7 +213,7 @@ class PackedStream(torch.utils.data.IterableDataset):
         if carry is not None:
             carried = _carry_table(carry, table.schema if table is not None else None)
             table = carried if table is None else pa.concat_tables([carried, table])
-        lengths = _list_lengths(table.column(_length_column(table)))
+        lengths = list_lengths(table.column(_length_column(table)))
         truncated = int(np.maximum(lengths - self.max_length, 0).sum()) if self.strategy in (None, "bfd") else 0
         rng = np.random.default_rng([self.seed, *seed])
         if self.strategy is None:
@@ -222,7 +224,7 @@ class PackedStream(torch.utils.data.IterableDataset):
             order = np.arange(rows.num_rows)
             return rows, rng.permutation(order) if self.shuffle else order, None, truncated
         rows = pack_table(table, self.max_length, self.strategy)
-        row_lengths = _list_lengths(rows.column(_length_column(rows)))
+        row_lengths = list_lengths(rows.column(_length_column(rows)))
         order, carry_out = np.arange(rows.num_rows), None
         if not final and rows.num_rows and row_lengths.min() < self.max_length:
             least_full = int(np.flatnonzero(row_lengths == row_lengths.min())[-1])
@@ -240,10 +242,6 @@ def _fresh_view(source: IterableDataset) -> IterableDataset:
     view = object.__new__(type(source))
     view.__dict__.update(source.__dict__)
     return view
-
-
-def _is_list(arrow_type: pa.DataType) -> bool:
-    return pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)
 
 
 def _length_column(table: pa.Table) -> str:

@@ -71,6 +71,17 @@ class ExampleError(ValueError):
     """One example cannot be tokenized; the datamodule adds where the example is (file and line)."""
 
 
+def chat_template_errors() -> tuple[type[BaseException], ...]:
+    """The exception classes a chat template raises on a row it cannot render (jinja2's ``TemplateError``; none
+    when jinja2 is not installed): what the datamodules catch, with ``ValueError``, ``TypeError`` and ``KeyError``,
+    to report a bad row with its file and line. A function, so that importing this module never imports jinja2."""
+    try:
+        from jinja2.exceptions import TemplateError
+    except ImportError:
+        return ()
+    return (TemplateError,)
+
+
 def has_generation_marks(chat_template: str | None) -> bool:
     """Whether a chat template marks assistant content with ``{% generation %}`` (or ``{%- generation -%}``...)."""
     return bool(chat_template) and _GENERATION_MARK.search(chat_template) is not None
@@ -97,7 +108,9 @@ def detect_format(columns: list[str], requested: DatasetFormat = "auto") -> str:
     )
 
 
-def _field(example: dict[str, Any], name: str) -> Any:
+def required_field(example: dict[str, Any], name: str) -> Any:
+    """The value of ``name`` in a row; an :class:`ExampleError` naming the columns that have a value when it has
+    none (a missing column, or a null in it). Shared by the SFT and preference tokenizers, so both say the same."""
     value = example.get(name)
     if value is None:
         present = sorted(key for key, item in example.items() if item is not None)
@@ -154,7 +167,7 @@ def _common_prefix_length(ids: list[int], other: list[int]) -> int:
 
 def tokenize_text(example: dict[str, Any], tokenizer: Any) -> dict[str, list[int]]:
     """Language modelling: train on every token; special tokens added, eos appended."""
-    text = _check_text(_field(example, "text"), "text")
+    text = _check_text(required_field(example, "text"), "text")
     ids = encode(tokenizer, _with_eos_text(tokenizer, text))
     return {"input_ids": ids, "labels": list(ids)}
 
@@ -167,7 +180,7 @@ def tokenize_prompt_completion(
     example: dict[str, Any], tokenizer: Any, completion_only_loss: bool = True
 ) -> dict[str, list[int]]:
     """Prompt followed by completion, tokenized whole; with ``completion_only_loss`` the prompt is masked."""
-    prompt, completion = _field(example, "prompt"), _field(example, "completion")
+    prompt, completion = required_field(example, "prompt"), required_field(example, "completion")
     if isinstance(prompt, list) or isinstance(completion, list):
         prompt = _check_messages(prompt, "prompt")
         completion = _check_messages(completion, "completion")
@@ -219,7 +232,7 @@ def tokenize_conversation(
     example: dict[str, Any], tokenizer: Any, assistant_only_loss: bool = True
 ) -> dict[str, list[int]]:
     """A chat rendered with the tokenizer's template; with ``assistant_only_loss`` only assistant turns train."""
-    messages = _check_messages(_field(example, "messages"), "messages")
+    messages = _check_messages(required_field(example, "messages"), "messages")
     if not assistant_only_loss:
         ids = list(_chat_ids(tokenizer, messages)["input_ids"])
         return {"input_ids": ids, "labels": list(ids)}

@@ -4,13 +4,20 @@ Why apart from the training step: where and when the model is built depends on t
 training device directly, or on the meta device and then sharded and loaded per rank), and an export
 must rebuild exactly what was trained (a QLoRA base reloaded in a float dtype with the same constructor
 options). Keeping these here leaves :mod:`lit_memtrain.objectives.causal_lm` with the training step only.
+
+- :func:`build_training_model`: the model as a run trains it (attention chosen, tokenizer checked, LoRA applied);
+- :func:`build_sharded_training_model`: the same, sharded as it is built: global rank 0 loads (or initialises)
+  the full model in host memory, the other ranks build it on the meta device; every rank shards it with the
+  strategy's ``parallelize`` and receives its shards from rank 0 one tensor at a time (:func:`load_sharded`), so
+  no device ever holds the whole model;
+- :func:`export_hf_directory` / :func:`export_sharded_hf_directory`: a Hugging Face directory of what was trained.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,7 +25,14 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from lit_memtrain.models.lora import LoraSettings, check_quantization_available, merged_copy, quantization_config
+from lit_memtrain.models.lora import (
+    LoraSettings,
+    apply_lora,
+    check_quantization_available,
+    is_peft_model,
+    merged_copy,
+    quantization_config,
+)
 from lit_memtrain.models.presets import PRESETS, build_config
 
 __all__ = [
@@ -26,6 +40,8 @@ __all__ = [
     "ModelRecipe",
     "build_causal_lm",
     "build_causal_lm_skeleton",
+    "build_sharded_training_model",
+    "build_training_model",
     "causal_lm_config",
     "check_tokenizer_fits_model",
     "export_hf_directory",
@@ -42,8 +58,8 @@ class ModelRecipe:
     """Everything needed to build (and rebuild for export) the causal LM of a run.
 
     Exactly one of ``model`` (hub id or local path), ``preset`` (a :data:`~lit_memtrain.models.presets.PRESETS`
-    name) or ``config`` (a dict with ``model_type``) is set. See :class:`~lit_memtrain.objectives.causal_lm.CausalLMModule`
-    for the meaning of each field.
+    name) or ``config`` (a dict with ``model_type``) is set. See
+    :class:`~lit_memtrain.objectives.causal_lm.CausalLMModule` for the meaning of each field.
     """
 
     model: str | None = None
@@ -68,7 +84,9 @@ class ModelRecipe:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {[*DTYPES, 'auto']}, got {self.dtype!r}.")
         if self.lora is not None and self.lora.quantize and not self.model:
-            raise ValueError("QLoRA (lora.quantize) quantizes a checkpoint while loading it: give model=<hub id or path>.")
+            raise ValueError(
+                "QLoRA (lora.quantize) quantizes a checkpoint while loading it: give model=<hub id or path>."
+            )
         if self.quantized:
             check_quantization_available(self.lora)
 
@@ -171,6 +189,70 @@ def check_tokenizer_fits_model(
         )
 
 
+def build_training_model(
+    recipe: ModelRecipe,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    tokenizer_name: str | None = None,
+    choose_attention: Callable[[PreTrainedModel], str] | None = None,
+    meta: bool = False,
+) -> tuple[nn.Module, ModelRecipe]:
+    """The model a run trains, in training mode, and the recipe that rebuilds it.
+
+    Built by :func:`build_causal_lm` where the caller's device context puts it (on the meta device with ``meta``,
+    :func:`build_causal_lm_skeleton`). Where the recipe names no attention implementation, the model switches to
+    ``choose_attention(model)``'s (the caller's choice for its training device), and the recipe returned names it,
+    so that an export rebuilds the same model. ``tokenizer`` (called ``tokenizer_name`` in errors) is checked
+    against the embedding (:func:`check_tokenizer_fits_model`), and ``recipe.lora`` applied. Returned in training
+    mode: ``from_pretrained`` returns eval mode, which Lightning would keep through fit.
+    """
+    model = (build_causal_lm_skeleton if meta else build_causal_lm)(recipe, tokenizer)
+    if recipe.attn_implementation is None and choose_attention is not None:
+        name = choose_attention(model)
+        if name != model.config._attn_implementation:
+            model.set_attn_implementation(name)
+        recipe = replace(recipe, attn_implementation=name)
+    if tokenizer is not None:
+        check_tokenizer_fits_model(model, tokenizer, tokenizer_name, recipe)
+    if recipe.lora is not None:
+        model = apply_lora(model, recipe.lora)
+    return model.train(), recipe
+
+
+def build_sharded_training_model(
+    recipe: ModelRecipe,
+    parallelize: Callable[[nn.Module], nn.Module],
+    parameter_device: torch.device,
+    root_device: torch.device,
+    global_rank: int,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    tokenizer_name: str | None = None,
+    choose_attention: Callable[[PreTrainedModel], str] | None = None,
+    model: nn.Module | None = None,
+) -> tuple[nn.Module, ModelRecipe]:
+    """:func:`build_training_model`'s model sharded as it is built, and the recipe that rebuilds it.
+
+    Global rank 0 builds the full model in host memory, the other ranks on the meta device; every rank then
+    shards it with ``parallelize`` (a strategy's, e.g. ``FSDP2Strategy.parallelize``) and receives its shards of
+    rank 0's weights (:func:`load_sharded`: parameters on ``parameter_device``, the host under CPU offload,
+    buffers on ``root_device``). A ``model`` built before (unsharded, rank 0's copy being the source) is sharded
+    the same way.
+
+    Raises:
+        ValueError: a QLoRA recipe, whose 4/8-bit weights cannot be sharded.
+    """
+    if recipe.quantized:
+        raise ValueError(
+            "QLoRA (lora.quantize) is not supported with FSDP2Strategy: its 4/8-bit weights cannot be sharded "
+            "by FSDP2. Train a plain LoRA adapter (drop lora.quantize) or QLoRA on one GPU without the strategy."
+        )
+    if model is None and global_rank == 0:
+        with torch.device("cpu"):
+            model, recipe = build_training_model(recipe, tokenizer, tokenizer_name, choose_attention)
+    elif model is None:
+        model, recipe = build_training_model(recipe, tokenizer, tokenizer_name, choose_attention, meta=True)
+    return load_sharded(model, parallelize, parameter_device, root_device), recipe
+
+
 def reload_unquantized_base(recipe: ModelRecipe) -> PreTrainedModel:
     """The base of a QLoRA run reloaded in host memory, unquantized, with everything else it was built with:
     ``model_init_kwargs`` (YaRN ``rope_parameters``...), ``trust_remote_code`` and ``dtype`` (the one its
@@ -214,9 +296,9 @@ def _check_same_structure(model: nn.Module) -> None:
     if source[0] != mine:
         differing = [entry for entry in source[0] if entry not in mine] + [e for e in mine if e not in source[0]]
         raise RuntimeError(
-            f"Rank {dist.get_rank()} built a model that differs from rank 0's ({len(differing)} differing tensors, e.g. "
-            f"{differing[:3]}), so rank 0's weights cannot be loaded into it. Every rank must build the same model: "
-            "check that the model, config overrides, dtype and LoRA settings do not depend on the rank."
+            f"Rank {dist.get_rank()} built a model that differs from rank 0's ({len(differing)} differing tensors, "
+            f"e.g. {differing[:3]}), so rank 0's weights cannot be loaded into it. Every rank must build the same "
+            "model: check that the model, config overrides, dtype and LoRA settings do not depend on the rank."
         )
 
 
@@ -307,8 +389,6 @@ def export_sharded_hf_directory(
     """
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    from lit_memtrain.models.lora import apply_lora, is_peft_model
 
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     path = None

@@ -1,7 +1,7 @@
 """DPOModule: preference training (DPO, IPO) with the model path and memory techniques of SFT.
 
-Why a subclass of :class:`~lit_memtrain.objectives.causal_lm.CausalLMModule`: model building (presets, hub, LoRA / QLoRA,
-the attention choice and its probes), the sharded build and root-forward under
+Why a subclass of :class:`~lit_memtrain.objectives.causal_lm.CausalLMModule`: model building (presets, hub, LoRA /
+QLoRA, the attention choice and its probes), the sharded build and root-forward under
 :class:`~lit_memtrain.strategies.FSDP2Strategy`, the optimizer and schedule, throughput logging, exports and
 checkpoints are the same; only what a batch is trained on differs. Every memory callback
 (checkpointing, tiled MLP, activation offloading) acts on the model and so composes unchanged.
@@ -32,12 +32,11 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
+from lit_memtrain.datamodules.batch import IGNORE_INDEX, shift_targets
 from lit_memtrain.datamodules.preference_collate import REFERENCE_COLUMNS
-from lit_memtrain.techniques.logprobs import chunked_token_log_probs, token_log_probs
-from lit_memtrain.datamodules.batch import IGNORE_INDEX
 from lit_memtrain.objectives.causal_lm import CausalLMModule
-from lit_memtrain.datamodules.batch import shift_targets
 from lit_memtrain.objectives.preference_loss import LOSS_TYPES, PreferenceLossType, preference_loss
+from lit_memtrain.techniques.logprobs import chunked_token_log_probs, token_log_probs
 
 ReferenceMode = Literal["auto", "precomputed", "adapter_disabled"]
 _PREFERENCE_KEYS = ("sequence_ids", "num_pairs", *REFERENCE_COLUMNS)
@@ -52,8 +51,8 @@ class DPOModule(CausalLMModule):
         reference: where the reference log-probabilities come from: ``precomputed`` (one pass before
             training), ``adapter_disabled`` (with ``lora``: the base model, each step), ``auto`` (the latter with
             ``lora``, else the former).
-        **kwargs: every argument of :class:`~lit_memtrain.objectives.causal_lm.CausalLMModule` (model, preset, lora, dtype,
-            attn_implementation, loss_type, loss_chunk_size, learning_rate, ...); ``loss_type="chunked"`` takes
+        **kwargs: every argument of :class:`~lit_memtrain.objectives.causal_lm.CausalLMModule` (model, preset, lora,
+            dtype, attn_implementation, loss_type, loss_chunk_size, learning_rate, ...); ``loss_type="chunked"`` takes
             the log-probabilities from hidden states in chunks of ``loss_chunk_size`` rows, ``"nll"`` from the
             model's logits.
 
@@ -116,7 +115,7 @@ accumulation, the mean of the micro-batches' means, as in TRL).
 
     def _chunked_token_logps(self, batch: dict[str, Any], targets: Tensor) -> Tensor:
         hidden, weight, bias, _ = self._hidden_and_head(batch)
-        transform = self._logit_transform
+        transform = self.setup_probes.logit_transform
         return chunked_token_log_probs(
             hidden, weight, targets, self.hparams.loss_chunk_size, transform.softcap, bias, transform.scale
         )
@@ -182,7 +181,8 @@ accumulation, the mean of the micro-batches' means, as in TRL).
                 if not compute:
                     continue
                 self.reference_logps[split] = self._reference_pass(datamodule, split)
-                rank_zero_info(f"reference log-probabilities of {len(self.reference_logps[split][0])} {split} pairs computed")
+                pairs = len(self.reference_logps[split][0])
+                rank_zero_info(f"reference log-probabilities of {pairs} {split} pairs computed")
             datamodule.set_reference_logps(split, *self.reference_logps[split])
 
     @torch.no_grad()
@@ -220,8 +220,9 @@ accumulation, the mean of the micro-batches' means, as in TRL).
         if context_parallel > 1:  # shard_batch would refuse sequence_ids with advice that does not apply to DPO
             raise ValueError(
                 f"DPOModule does not support context parallelism (ContextParallelStrategy with context_parallel_size="
-                f"{context_parallel}): a pair's sequence log-probabilities are sums over whole sequences, which sequence "
-                "shards do not hold. Use FSDP2Strategy (with cpu_offload, checkpointing and tiled MLP for long pairs)."
+                f"{context_parallel}): a pair's sequence log-probabilities are sums over whole sequences, which "
+                "sequence shards do not hold. Use FSDP2Strategy (with cpu_offload, checkpointing and tiled MLP for "
+                "long pairs)."
             )
         if stage == "validate" and self.reference_mode == "precomputed":
             self.precompute_reference_logps(compute=False)
@@ -235,7 +236,7 @@ accumulation, the mean of the micro-batches' means, as in TRL).
         self.log("train/loss", loss.detach(), prog_bar=True, batch_size=pairs)
         for name, value in metrics.items():
             self.log(f"train/{name}", value, prog_bar=name == "rewards/margins", batch_size=pairs)
-        self.log("train/tokens", self._tokens_seen_metric(), batch_size=pairs)
+        self.log("train/tokens", self.throughput.tokens_seen_metric(), batch_size=pairs)
         return loss
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:

@@ -11,7 +11,9 @@ gradients, and either returns what it found or raises an error that says what to
   model's logits then show what it does after the head (``scale``, then ``softcap``), and the head's own
   input and output show that the chunked path's hidden states and weight are the ones the model uses.
 - :func:`probe_document_isolation`: two documents packed in one padding-free row must give the logits each
-  gives alone.
+  gives alone; attention implementations this project's tests prove (:data:`PROVEN_DOCUMENT_ATTENTION`) skip it.
+
+:class:`SetupProbes` runs each once for a module and keeps the verdicts its loss reads.
 """
 
 from __future__ import annotations
@@ -23,12 +25,27 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
+from lit_memtrain.datamodules.batch import is_padding_free
 from lit_memtrain.models.lora import head_weight
-from lit_memtrain.techniques.loss import transform_logits
+from lit_memtrain.parallel.context_parallel import ATTENTION_NAMES as CONTEXT_PARALLEL_ATTENTION
+from lit_memtrain.techniques.attention import SDPA_BY_DOCUMENT
+from lit_memtrain.techniques.lm_head import transform_logits
 
-__all__ = ["LogitTransform", "probe_document_isolation", "probe_logit_transform"]
+__all__ = [
+    "PROVEN_DOCUMENT_ATTENTION",
+    "LogitTransform",
+    "SetupProbes",
+    "probe_document_isolation",
+    "probe_logit_transform",
+]
+
+# Attention implementations whose padding-free rows equal per-document runs in this project's tests
+# (tests/objectives/test_causal_lm_padding_free.py, tests/techniques/test_attention.py); any other is probed once.
+# Context-parallel attention keeps documents apart by the row's bounds (tests/parallel/context_parallel).
+PROVEN_DOCUMENT_ATTENTION = frozenset({"eager", "sdpa", SDPA_BY_DOCUMENT, *CONTEXT_PARALLEL_ATTENTION.values()})
 
 _PROBE_TOKENS = 8
 _DESIGNED_RANGE = 64.0  # head outputs from -64 to 64: large enough to show any cap, small ones show a scale
@@ -138,7 +155,8 @@ def probe_logit_transform(model: nn.Module) -> LogitTransform:
     if "head_input" not in seen or "hidden" not in seen:
         raise _unsupported(model, "its forward does not call get_decoder() and get_output_embeddings() as modules")
     tolerance = _tolerance(seen["head_input"].dtype)
-    if seen["head_input"].shape != seen["hidden"].shape or _relative_error(seen["head_input"], seen["hidden"]) > tolerance:
+    head_input, hidden = seen["head_input"], seen["hidden"]
+    if head_input.shape != hidden.shape or _relative_error(head_input, hidden) > tolerance:
         raise _unsupported(model, "its LM head does not take the decoder's last hidden state as it is")
     if _relative_error(seen["head_output"], seen["linear"]) > tolerance:
         raise _unsupported(model, "its LM head computes something other than hidden @ weight.T + bias")
@@ -210,3 +228,58 @@ def probe_document_isolation(
             "document run alone. Use 'sdpa_by_document', 'sdpa', 'eager' or a flash-attention kernel, or turn off "
             "packing and padding_free."
         )
+
+
+class SetupProbes:
+    """The probes one module's training needs, each run once, and their verdicts.
+
+    Attributes:
+        logit_transform: what the chunked loss applies after the LM head; ``None`` until probed.
+        isolating_attention: the attention implementation last found to keep packed documents apart.
+    """
+
+    def __init__(self) -> None:
+        self.logit_transform: LogitTransform | None = None
+        self.isolating_attention: str | None = None
+
+    def run(
+        self,
+        model: nn.Module,
+        chunked_loss: bool,
+        batch: dict[str, Any] | None = None,
+        model_inputs: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    ) -> None:
+        """Probe what has not been yet: the logit transform for a ``chunked_loss``, and, for a padding-free
+        ``batch`` whose attention implementation is not in :data:`PROVEN_DOCUMENT_ATTENTION`, that it keeps packed
+        documents apart (with ``model_inputs``, the training step's own, see :func:`probe_document_isolation`).
+
+        Raises:
+            ValueError: a probe failed (see each probe).
+        """
+        if chunked_loss and self.logit_transform is None:
+            self.logit_transform = probe_logit_transform(model)
+            if self.logit_transform != LogitTransform():
+                rank_zero_info(f"chunked loss: applying the model's logit transform {self.logit_transform}")
+        if batch is None or not is_padding_free(batch):
+            return
+        name = model.config._attn_implementation
+        if name in PROVEN_DOCUMENT_ATTENTION or name == self.isolating_attention:
+            return
+        probe_document_isolation(model, model_inputs, name)
+        rank_zero_info(f"attn_implementation={name!r} keeps packed documents apart (probed at setup)")
+        self.isolating_attention = name
+
+    def assume_passed(
+        self, logit_transform: LogitTransform | None = None, document_attention: str | None = None
+    ) -> None:
+        """Record verdicts without running the probes, for a caller that runs the step on tensors without values
+        (the planner's fake tensors), where a probe cannot read what the model computes.
+
+        Args:
+            logit_transform: what the chunked loss is to apply after the LM head (``LogitTransform()``: nothing).
+            document_attention: an attention implementation to take as keeping packed documents apart.
+        """
+        if logit_transform is not None:
+            self.logit_transform = logit_transform
+        if document_attention is not None:
+            self.isolating_attention = document_attention

@@ -21,12 +21,22 @@ import math
 from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from typing import TYPE_CHECKING, Any
 
+import torch
+from torch import Tensor
+
+from lit_memtrain.datamodules.batch import STEP_TRAINABLE_TOKENS
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["STEP_TRAINABLE_TOKENS", "StepTokenCounts", "count_step_tokens_during_fit"]
-
-STEP_TRAINABLE_TOKENS = "step_trainable_tokens"
+__all__ = [
+    "STEP_TRAINABLE_TOKENS",
+    "StepTokenCounts",
+    "count_step_tokens_during_fit",
+    "micro_batch_mean",
+    "step_trainable_tokens",
+]
 _OWN_ATTRIBUTES = ("loader", "micro_batches_per_step", "count", "epoch_position")
 
 
@@ -140,3 +150,50 @@ def count_step_tokens_during_fit(trainer: pl.Trainer, count: Callable[[Any], int
             strategy.process_dataloader = previous
 
     return restore
+
+
+def step_trainable_tokens(
+    batch: dict[str, Any],
+    trainer: pl.Trainer,
+    count: Callable[[Any], int],
+    device: torch.device,
+    mesh: DeviceMesh | None = None,
+) -> Tensor:
+    """Trainable target tokens of ``batch``'s whole optimizer step, summed over the ranks' rows: a 0-d tensor on
+    ``device``, what the step's loss sum is divided by.
+
+    Read from the tag :func:`count_step_tokens_during_fit` puts on the batch; counted from the batch itself
+    (``count``) only when a step is one micro-batch on one rank. Summed over the ``data_parallel`` dimension of
+    ``mesh`` (the strategy's device mesh) when there is one, since ranks that share rows (a context-parallel
+    group) count them once, else over all ranks.
+
+    Raises:
+        RuntimeError: an untagged batch of a step with several micro-batches or ranks.
+    """
+    if STEP_TRAINABLE_TOKENS in batch:
+        tokens = batch[STEP_TRAINABLE_TOKENS]
+    elif trainer.accumulate_grad_batches == 1 and trainer.world_size == 1:
+        tokens = count(batch)
+    else:
+        raise RuntimeError(
+            f"The batch has no {STEP_TRAINABLE_TOKENS!r}: with gradient accumulation or several ranks the "
+            "loss is divided by the trainable tokens of the whole optimizer step, which CausalLMModule.setup "
+            "arranges for the training dataloader. Call super().setup(stage) if you override setup."
+        )
+    tokens = torch.tensor(tokens, device=device)
+    if trainer.world_size > 1:
+        group = mesh["data_parallel"].get_group() if mesh is not None else None
+        tokens = trainer.strategy.reduce(tokens, group=group, reduce_op="sum")
+    return tokens
+
+
+def micro_batch_mean(loss_sum: Tensor, targets: Tensor, mesh: DeviceMesh | None = None) -> Tensor:
+    """A micro-batch's mean token loss (what ``train/loss`` shows) from its loss sum and trainable targets; over
+    the whole rows when each rank of a context-parallel group holds a shard of them (the ``context_parallel``
+    dimension of ``mesh``: one all-reduce of two numbers over the group)."""
+    split = mesh is not None and "context_parallel" in (mesh.mesh_dim_names or ())
+    if split and mesh["context_parallel"].size() > 1:
+        totals = torch.stack([loss_sum.float(), targets.float()])
+        torch.distributed.all_reduce(totals, group=mesh["context_parallel"].get_group())
+        loss_sum, targets = totals[0], totals[1]
+    return loss_sum / targets.clamp(min=1)

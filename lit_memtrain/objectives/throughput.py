@@ -12,17 +12,30 @@ the share of experts a token visits, the input embedding lookup counts nothing, 
 tied), plus causal attention: 12 FLOPs per layer, per attention width and per earlier token of the same
 document (``QK^T`` and ``AV``, forward and backward). Checkpointing's recomputation is not counted (it is
 not model work), so MFU is the share of the device's peak spent on the model's own arithmetic.
+
+:class:`ThroughputMeter` turns these counts into what a module logs while training: the tokens trained so far
+over all ranks (``train/tokens``) and, over each window of ``log_every_n_steps`` optimizer steps, tokens/s, model
+FLOP/s and MFU, synchronising the device once per window rather than once per batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["attention_pairs", "count_tokens", "matmul_parameters", "peak_flops", "training_flops"]
+__all__ = [
+    "ThroughputMeter",
+    "attention_pairs",
+    "count_tokens",
+    "matmul_parameters",
+    "peak_flops",
+    "summed_over_ranks",
+    "training_flops",
+]
 
 
 def count_tokens(batch: Mapping[str, Any]) -> int | Tensor:
@@ -96,3 +109,118 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
 
     flops = get_available_flops(device, dtype)
     return float(flops) if flops else None
+
+
+def summed_over_ranks(
+    tokens: int | Tensor, world_size: int, device: torch.device, reduce: Callable[..., Tensor]
+) -> int | Tensor:
+    """A count summed over all ``world_size`` ranks, by one all-reduce of one number without the barrier of a
+    strategy's ``reduce`` (no wait for the device); ``reduce(tensor, reduce_op="sum")`` (a Lightning strategy's)
+    only where torch.distributed has no process group (XLA's own reduce). Each rank counts the tokens it holds
+    (its own rows, or its shard of its group's rows under context parallelism), so the sum counts each once."""
+    if world_size == 1:
+        return tokens
+    total = tokens.detach().clone() if isinstance(tokens, Tensor) else torch.tensor(tokens, device=device)
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return reduce(total, reduce_op="sum")
+    torch.distributed.all_reduce(total)
+    return total
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _compute_dtype(precision: str, model: nn.Module) -> torch.dtype:
+    """The dtype the matrix multiplications run in: the precision's 16-bit one (mixed or true), else the model's."""
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    if precision.startswith("16"):
+        return torch.float16
+    return model.dtype
+
+
+class ThroughputMeter:
+    """The tokens a run has trained, and its throughput over windows of optimizer steps.
+
+    Counts are kept as the batches give them (host ints, or device tensors read only at a measurement), so
+    counting a batch never waits for the device; a measurement synchronises the device once, at the end of
+    each window, and its metrics are logged at every batch until the next one.
+
+    Attributes:
+        tokens_seen: real tokens of all training batches so far, summed over the ranks (an ``int``, or a 0-d
+            device tensor until read).
+        metrics: the latest measurement: ``train/tokens_per_sec`` (over all ranks, what ``tokens_seen`` rose
+            by), ``train/device/tokens_per_sec``, ``train/device/flops_per_sec`` and, where the device's peak is
+            known (not on CPU), ``train/device/mfu``.
+    """
+
+    def __init__(self) -> None:
+        self.tokens_seen: int | Tensor = 0
+        self.metrics: dict[str, float] = {}
+        self._started_at = 0.0
+        self._tokens: int | Tensor = 0
+        self._pairs: int | Tensor = 0
+        self._seen_from: int | Tensor = 0
+        self._measured_at_step = 0
+
+    def start(self, device: torch.device, step: int) -> None:
+        """Open the first window at optimizer step ``step`` (0, or where a resumed run restarts)."""
+        _synchronize(device)
+        self._started_at, self._tokens, self._pairs = time.perf_counter(), 0, 0
+        self._seen_from = self.tokens_seen
+        self._measured_at_step = step
+
+    def count(
+        self, batch: Mapping[str, Any], world_size: int, device: torch.device, reduce: Callable[..., Tensor]
+    ) -> None:
+        """Add a training batch: its real tokens and attention pairs on this device, and its tokens summed over
+        the ``world_size`` ranks to :attr:`tokens_seen` (:func:`summed_over_ranks`, with the strategy's ``reduce``)."""
+        tokens = count_tokens(batch)
+        self.tokens_seen = self.tokens_seen + summed_over_ranks(tokens, world_size, device, reduce)
+        self._tokens = self._tokens + tokens
+        self._pairs = self._pairs + attention_pairs(batch)
+
+    def update(
+        self, step: int, every: int, max_steps: int, model: nn.Module, device: torch.device, precision: str
+    ) -> dict[str, float]:
+        """The latest :attr:`metrics`, measured anew when optimizer step ``step`` ends a window: every ``every``
+        steps (Lightning's ``log_every_n_steps``) and at the last (``max_steps``, when positive).
+
+        ``model`` gives the FLOPs per token (:func:`training_flops`), ``device`` and ``precision`` (Lightning's
+        precision string) the peak MFU is measured against.
+        """
+        last = 0 < max_steps <= step
+        if step != self._measured_at_step and (step % every == 0 or last):
+            self.metrics = self._measure(model, device, _compute_dtype(precision, model))
+            self._measured_at_step = step
+        return self.metrics
+
+    def _measure(self, model: nn.Module, device: torch.device, dtype: torch.dtype) -> dict[str, float]:
+        _synchronize(device)
+        now = time.perf_counter()
+        elapsed = max(now - self._started_at, 1e-9)
+        tokens = int(self._tokens)
+        total = int(self.tokens_seen) - int(self._seen_from)  # what train/tokens rose by
+        flops_per_sec = training_flops(model, tokens, self._pairs) / elapsed
+        metrics = {
+            "train/tokens_per_sec": total / elapsed,
+            "train/device/tokens_per_sec": tokens / elapsed,
+            "train/device/flops_per_sec": flops_per_sec,
+        }
+        peak = peak_flops(device, dtype)
+        if peak:
+            metrics["train/device/mfu"] = flops_per_sec / peak
+        self._started_at, self._tokens, self._pairs = now, 0, 0
+        self._seen_from = self.tokens_seen
+        return metrics
+
+    def tokens_seen_metric(self) -> Tensor:
+        """:attr:`tokens_seen` as a metric to log: float64 (exact to 2**53 tokens, where float32 rounds past 2**24,
+        a count a multi-rank run passes in minutes) where the device has it; a count kept on the device stays
+        there (no sync), one kept in Python becomes a host tensor."""
+        seen = self.tokens_seen
+        if not isinstance(seen, Tensor):
+            return torch.tensor(seen, dtype=torch.float64)
+        return seen.to(torch.float32 if seen.device.type == "mps" else torch.float64)

@@ -12,6 +12,9 @@ layers' ``forward`` on the instance: FSDP2's hooks stay outside them, as torchti
 The root's parameters are unsharded only inside the root's own forward. Code that reads them outside it
 (the chunked loss reads ``lm_head.weight`` and calls ``get_decoder()``) must run through
 :func:`run_inside_forward`.
+
+:func:`mixed_precision_policy` turns the names a config can hold (``"bf16"``, a dict of dtype names) into the
+``MixedPrecisionPolicy`` that ``parallelize`` takes: the strategies and the planner read the same setting the same way.
 """
 
 from __future__ import annotations
@@ -19,15 +22,72 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from lit_memtrain.models.layers import find_decoder_layers
 
-__all__ = ["is_sharded", "parallelize", "run_inside_forward"]
+__all__ = ["is_sharded", "mixed_precision_policy", "parallelize", "run_inside_forward"]
 
 T = TypeVar("T")
+
+_DTYPE_NAMES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+_POLICY_FIELDS = ("param_dtype", "reduce_dtype", "output_dtype")
+
+
+def _dtype(value: Any, field: str) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if value not in _DTYPE_NAMES:
+        raise ValueError(f"mixed_precision {field}={value!r} is not a dtype name; use one of {sorted(_DTYPE_NAMES)}.")
+    return _DTYPE_NAMES[value]
+
+
+def mixed_precision_policy(value: str | dict[str, Any] | MixedPrecisionPolicy | None) -> MixedPrecisionPolicy | None:
+    """The FSDP2 policy for a ``mixed_precision`` setting (``FSDP2Strategy(mixed_precision=...)``, a plan's).
+
+    A dtype name (``"bf16"``) gathers parameters in that dtype for compute and reduces gradients in fp32; a
+    dict names the policy's fields (``{"param_dtype": "bfloat16", "reduce_dtype": "float32"}``); a policy is
+    taken as it is and ``None`` is no policy (compute in the parameters' dtype).
+
+    Raises:
+        ValueError: an unknown dtype name or field, or float16 (it would need loss scaling).
+        TypeError: a value of another type.
+
+    Example:
+        >>> mixed_precision_policy("bf16").param_dtype, mixed_precision_policy("bf16").reduce_dtype
+        (torch.bfloat16, torch.float32)
+    """
+    if value is None or isinstance(value, MixedPrecisionPolicy):
+        policy = value
+    elif isinstance(value, str):
+        policy = MixedPrecisionPolicy(param_dtype=_dtype(value, "param_dtype"), reduce_dtype=torch.float32)
+    elif isinstance(value, dict):
+        unknown = set(value) - {*_POLICY_FIELDS, "cast_forward_inputs"}
+        if unknown:
+            known = [*_POLICY_FIELDS, "cast_forward_inputs"]
+            raise ValueError(f"mixed_precision has unknown fields {sorted(unknown)}; known: {known}.")
+        dtypes = {field: _dtype(value.get(field), field) for field in _POLICY_FIELDS}
+        policy = MixedPrecisionPolicy(**dtypes, cast_forward_inputs=bool(value.get("cast_forward_inputs", True)))
+    else:
+        raise TypeError(
+            f"mixed_precision must be a dtype name such as 'bf16', a dict of MixedPrecisionPolicy fields, a "
+            f"MixedPrecisionPolicy or None; got {type(value).__name__}."
+        )
+    if policy is not None and torch.float16 in (policy.param_dtype, policy.reduce_dtype):
+        raise ValueError(
+            "mixed_precision with float16 needs loss scaling, which FSDP2Strategy does not provide: use 'bf16'."
+        )
+    return policy
 
 
 def parallelize(

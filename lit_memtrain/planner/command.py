@@ -8,8 +8,9 @@ memory, and whether it fits::
     lit-memtrain plan --config configs/long_context.yaml --gpu-memory 80
     lit-memtrain plan --config configs/long_context.yaml --find-max-length --compare --plot lengths.png --json
 
-Also run as ``python -m lit_memtrain.planner.command --settings FILE.json`` with settings written by
-:meth:`~lit_memtrain.planner.settings.PlanSettings.to_dict` (how the ``MemoryPlanCheck`` callback runs it).
+Also run as ``python -m lit_memtrain.planner.command --fit-config FILE.json``, with a fit configuration as
+LightningCLI parses it (``model``, ``data`` and ``trainer`` sections) written as JSON: how the ``MemoryPlanCheck``
+callback plans its live fit (:mod:`lit_memtrain.callbacks.live_fit`), without LightningCLI's parser.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="how the ranks of a sequence exchange attention's inputs (default: the strategy's, "
                              "else ulysses)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-    parser.add_argument("--settings", metavar="FILE.json", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--fit-config", metavar="FILE.json", default=None, help=argparse.SUPPRESS)
     return parser
 
 
@@ -64,7 +65,7 @@ def main(
     """Run ``lit-memtrain plan``; returns the exit status (0, or 2 for a configuration it cannot plan).
 
     ``read_fit_arguments`` turns ``fit`` arguments into settings (the command line's LightningCLI parser,
-    :func:`lit_memtrain.cli.plan.read_fit_config`); without it only ``--settings`` is accepted.
+    :func:`lit_memtrain.cli.plan.read_fit_config`); without it only ``--fit-config`` is accepted.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = _parser()
@@ -92,17 +93,17 @@ def _plan(
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecations, once per simulation
 
     stand_in_device()
+    from lit_memtrain.planner.fit_config import settings_from_config
     from lit_memtrain.planner.plan import DEFAULT_MARGIN, Planner, gpu_budget
     from lit_memtrain.planner.report import PlanReport
-    from lit_memtrain.planner.settings import PlanSettings
 
-    if options.settings is not None:
+    if options.fit_config is not None:
         if fit_args:
-            raise ValueError(f"--settings takes no fit arguments, got {fit_args}.")
-        with open(options.settings) as file:
-            settings = PlanSettings.from_dict(json.load(file))
+            raise ValueError(f"--fit-config takes no fit arguments, got {fit_args}.")
+        with open(options.fit_config) as file:
+            settings = settings_from_config(json.load(file))
     elif read_fit_arguments is None:
-        raise ValueError("Give --settings FILE.json, or run `lit-memtrain plan` with fit arguments.")
+        raise ValueError("Give --fit-config FILE.json, or run `lit-memtrain plan` with fit arguments.")
     else:
         settings = read_fit_arguments(fit_args)
     settings = _with_context_parallel(settings, options.context_parallel_size, options.context_parallel_method)

@@ -7,12 +7,19 @@ does) is parsed as ``fit`` parses it, and planned when its classes are ones whos
 :class:`~lit_memtrain.objectives.causal_lm.CausalLMModule` on :class:`~lit_memtrain.datamodules.sft.SFTDataModule` rows, or
 :class:`~lit_memtrain.objectives.dpo.DPOModule` on :class:`~lit_memtrain.datamodules.preference.PreferenceDataModule` pairs
 (or subclasses that keep that step); any other is refused with what to give instead.
+
+What a configuration leaves out takes the default of the class that owns it, read from its signature (the
+datamodule's ``max_length`` and ``batch_size``, the Trainer's, the strategy's). The ``MemoryPlanCheck`` callback
+describes its live fit as such a configuration (:mod:`lit_memtrain.callbacks.live_fit`) and hands it to
+``python -m lit_memtrain.planner.command --fit-config FILE.json``.
 """
 
 from __future__ import annotations
 
-import importlib
+from collections.abc import Iterable
 from typing import Any
+
+from lightning.pytorch import Trainer
 
 from lit_memtrain.planner.settings import (
     CAUSAL_LM_MODULE,
@@ -20,11 +27,13 @@ from lit_memtrain.planner.settings import (
     CallbackSpec,
     PlanSettings,
     StrategySpec,
+    import_class,
+    init_defaults,
     init_parameters,
     normalise_precision,
 )
 
-__all__ = ["planned_module_class", "settings_from_config", "settings_from_trainer", "strategy_spec"]
+__all__ = ["planned_module_class", "settings_from_config", "strategy_spec"]
 
 _SINGLE_PROCESS = ("single_device", "singledevice", "singledevicestrategy")
 # What the simulated step runs of CausalLMModule and DPOModule: a subclass that overrides one of these trains differently.
@@ -48,33 +57,38 @@ def settings_from_config(config: dict[str, Any]) -> PlanSettings:
     """
     model_class, model = _class_and_arguments(config.get("model"), CAUSAL_LM_MODULE)
     data_class, data = _class_and_arguments(config.get("data"), _DATA_OF[CAUSAL_LM_MODULE])
-    module_class = planned_module_class(model_class)
+    module_class = planned_module_class(model_class, (config.get("model") or {}).get("overridden_methods", ()))
     expected_data = _DATA_OF[module_class]
-    if not any(_class_path(klass) == expected_data for klass in _resolve(data_class, "data").__mro__):
+    data_type = _resolve(data_class, "data")
+    if not any(_class_path(klass) == expected_data for klass in data_type.__mro__):
         raise ValueError(
             f"{module_class.rsplit('.', 1)[-1]} is planned on the batches of {expected_data} (its max_length, "
             f"batch_size and padding-free or padded rows), but data.class_path is {data_class!r}. Plan with "
             f"--data.class_path={expected_data} and the run's max_length and batch_size."
         )
-    trainer = config.get("trainer") or {}
-    callbacks = tuple(_callback_spec(entry) for entry in (trainer.get("callbacks") or []))
+    data = {**init_defaults(data_type), **data}
+    trainer = {**init_defaults(Trainer), **(config.get("trainer") or {})}
+    accepted = init_parameters(_resolve(module_class, "model"))  # a subclass's own arguments are not the step's
     return PlanSettings(
-        module=model,
-        precision=normalise_precision(trainer.get("precision")),
-        callbacks=callbacks,
-        max_length=int(data.get("max_length", 1024)),
-        batch_size=int(data.get("batch_size", 1)),
+        module={name: value for name, value in model.items() if name in accepted},
+        precision=normalise_precision(trainer["precision"]),
+        callbacks=tuple(_callback_spec(entry) for entry in (trainer["callbacks"] or [])),
+        max_length=int(data["max_length"]),
+        batch_size=int(data["batch_size"]),
         padding_free=bool(data.get("packing")) or bool(data.get("padding_free")),
-        accumulate_grad_batches=int(trainer.get("accumulate_grad_batches") or 1),
-        strategy=strategy_spec(trainer.get("strategy"), trainer.get("devices"), trainer.get("num_nodes")),
-        tokenizer=data.get("tokenizer") or model.get("tokenizer"),
+        accumulate_grad_batches=int(trainer["accumulate_grad_batches"]),
+        strategy=strategy_spec(trainer["strategy"], trainer["devices"], trainer["num_nodes"]),
+        # the module's (LightningCLI links data.tokenizer to it), or else the datamodule's
+        tokenizer=model.get("tokenizer", data.get("tokenizer")),
         module_class=module_class,
     )
 
 
-def planned_module_class(model_class: str | type) -> str:
+def planned_module_class(model_class: str | type, overridden_methods: Iterable[str] = ()) -> str:
     """The module whose training step the plan simulates for ``model_class`` (a class or its ``class_path``):
     :data:`CAUSAL_LM_MODULE` or :data:`DPO_MODULE`, for that class or a subclass that keeps its step.
+    ``overridden_methods`` are methods a subclass the planner cannot import (one defined in a training script)
+    defines on top of ``model_class``.
 
     Raises:
         ValueError: another class, or a subclass that overrides what the step runs, with what to plan instead.
@@ -89,7 +103,11 @@ def planned_module_class(model_class: str | type) -> str:
             f"model.class_path is {_class_path(cls)!r}: the planner simulates the training steps of "
             "lit_memtrain.CausalLMModule (SFT) and lit_memtrain.DPOModule only. Give one of them as model.class_path."
         )
-    overridden = [name for name in _STEP_METHODS if getattr(cls, name, None) is not getattr(base, name, None)]
+    overridden = [
+        name
+        for name in _STEP_METHODS
+        if getattr(cls, name, None) is not getattr(base, name, None) or name in overridden_methods
+    ]
     if overridden:
         raise ValueError(
             f"model.class_path is {_class_path(cls)!r}, which overrides {', '.join(overridden)} of {base.__name__}: "
@@ -110,13 +128,7 @@ def _class_and_arguments(section: Any, default_class: str) -> tuple[str, dict[st
 
 
 def _resolve(class_path: str | type, section: str) -> type:
-    if isinstance(class_path, type):
-        return class_path
-    module_name, _, name = class_path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError, ValueError) as error:
-        raise ValueError(f"Cannot import {section}.class_path {class_path!r}: {error}") from error
+    return class_path if isinstance(class_path, type) else import_class(class_path, f"{section}.class_path")
 
 
 def _class_path(cls: type) -> str:
@@ -144,14 +156,19 @@ def _device_count(devices: Any) -> int:
 
 
 _FSDP2_OPTIONS = ("mixed_precision", "reshard_after_forward", "cpu_offload")
+_SHARDED = {
+    "fsdp2strategy": ("fsdp2", "lit_memtrain.strategies.fsdp2.FSDP2Strategy"),
+    "fsdp2": ("fsdp2", "lit_memtrain.strategies.fsdp2.FSDP2Strategy"),
+    "contextparallelstrategy": ("context_parallel", "lit_memtrain.strategies.context_parallel.ContextParallelStrategy"),
+    "contextparallel": ("context_parallel", "lit_memtrain.strategies.context_parallel.ContextParallelStrategy"),
+}
 
 
 def strategy_spec(strategy: Any, devices: Any = None, num_nodes: Any = None) -> StrategySpec:
     """How the planner treats ``trainer.strategy`` (a name or a class_path/init_args dict).
 
-    The ``init_args`` of ``lit_memtrain.strategies.FSDP2Strategy`` and ``ContextParallelStrategy`` are read
-    as a dict: the classes are not imported (nor instantiated), so a plan needs neither a process group nor the
-    class itself.
+    The ``init_args`` of ``lit_memtrain.strategies.FSDP2Strategy`` and ``ContextParallelStrategy`` are read as a
+    dict over the class's defaults: the class is not instantiated, so a plan needs no process group.
     """
     world_size = _device_count(devices) * int(num_nodes or 1)
     options: dict[str, Any] = {}
@@ -168,77 +185,14 @@ def strategy_spec(strategy: Any, devices: Any = None, num_nodes: Any = None) -> 
         kind = "single_device"
     elif lowered.startswith("ddp"):
         kind = "ddp"
-    elif lowered in ("fsdp2strategy", "fsdp2", "contextparallelstrategy", "contextparallel"):
-        kind = "context_parallel" if lowered.startswith("context") else "fsdp2"
-        options = {key: init_args[key] for key in _FSDP2_OPTIONS if init_args.get(key) is not None}
+    elif lowered in _SHARDED:
+        kind, class_path = _SHARDED[lowered]
+        init_args = {**init_defaults(import_class(class_path, "trainer.strategy")), **init_args}
+        options = {key: init_args[key] for key in _FSDP2_OPTIONS if init_args[key] is not None}
         if kind == "context_parallel":
             options["context_parallel_size"] = int(init_args.get("context_parallel_size", 1))
-            options["context_parallel_method"] = str(init_args.get("method", "ulysses"))
-            options["ring_backend"] = str(init_args.get("ring_backend", "all_gather"))
+            options["context_parallel_method"] = str(init_args["method"])
+            options["ring_backend"] = str(init_args["ring_backend"])
     else:
         kind = "not_simulated"
     return StrategySpec(name=name, world_size=world_size, kind=kind, **options)
-
-
-def settings_from_trainer(trainer: Any, module: Any, datamodule: Any) -> PlanSettings:
-    """Plan settings from a live Trainer, a ``CausalLMModule`` or ``DPOModule`` and a datamodule with ``max_length``
-    and ``batch_size`` (``SFTDataModule``; ``PreferenceDataModule`` for DPO), before the model is built (what a
-    callback's ``setup`` sees).
-
-    Raises:
-        ValueError: a module the planner does not simulate, or DPO on other data than ``PreferenceDataModule``.
-    """
-    import dataclasses
-    import inspect
-
-    from lit_memtrain.planner.settings import SIMULATED_CALLBACKS
-
-    module_class = planned_module_class(type(module))
-    if module_class == DPO_MODULE and not any(_class_path(k) == _DATA_OF[DPO_MODULE] for k in type(datamodule).__mro__):
-        raise ValueError(
-            f"A DPO step is planned from the pairs of {_DATA_OF[DPO_MODULE]} (batch_size pairs, two sequences each), "
-            f"but the datamodule is {_class_path(type(datamodule))}."
-        )
-    accepted = init_parameters(_resolve(module_class, "model"))  # a subclass may add arguments of its own
-    hparams = {
-        name: dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
-        for name, value in dict(module.hparams).items()
-        if name in accepted
-    }
-    callbacks = []
-    for callback in trainer.callbacks:
-        kind = type(callback)
-        init_args = {}
-        if isinstance(callback, SIMULATED_CALLBACKS):
-            names = [name for name in inspect.signature(kind.__init__).parameters if name != "self"]
-            init_args = {name: getattr(callback, name) for name in names if hasattr(callback, name)}
-        callbacks.append(CallbackSpec(f"{kind.__module__}.{kind.__qualname__}", init_args))
-    padding_free = bool(getattr(datamodule, "padding_free", False) or getattr(datamodule, "packing", False))
-    return PlanSettings(
-        module=hparams,
-        precision=normalise_precision(trainer.precision),
-        callbacks=tuple(callbacks),
-        max_length=int(datamodule.max_length),
-        batch_size=int(datamodule.batch_size),
-        padding_free=padding_free,
-        accumulate_grad_batches=int(trainer.accumulate_grad_batches),
-        strategy=strategy_spec(_live_strategy(trainer.strategy), trainer.num_devices, trainer.num_nodes),
-        tokenizer=hparams.get("tokenizer"),
-        module_class=module_class,
-    )
-
-
-def _live_strategy(strategy: Any) -> dict[str, Any]:
-    """A live strategy as the class_path/init_args dict :func:`strategy_spec` reads (FSDP2 options included)."""
-    init_args: dict[str, Any] = {}
-    policy = getattr(strategy, "mp_policy", None)
-    if policy is not None:
-        fields = ("param_dtype", "reduce_dtype", "output_dtype")
-        dtypes = {name: getattr(policy, name) for name in fields}
-        init_args["mixed_precision"] = {
-            name: str(dtype).removeprefix("torch.") for name, dtype in dtypes.items() if dtype is not None
-        }
-    for name in ("reshard_after_forward", "cpu_offload", "context_parallel_size", "method", "ring_backend"):
-        if hasattr(strategy, name):
-            init_args[name] = getattr(strategy, name)
-    return {"class_path": type(strategy).__name__, "init_args": init_args}

@@ -7,9 +7,10 @@ buffers); with context parallelism it also depends on what the attention exchang
 done here by the code a run uses, on fake tensors, as rank 0 of a fake process group of ``world_size`` ranks
 (every rank holds the same, up to padding; collectives move no data, their buffers are allocated as on a GPU):
 
-- the mesh is ``(data_parallel, context_parallel)``, context parallel innermost, and the model is sharded
-  over both (flattened) by :func:`~lit_memtrain.parallel.fsdp.parallelize` with the strategy's
-  ``MixedPrecisionPolicy`` and ``CPUOffloadPolicy``, as ``FSDP2Strategy`` and ``ContextParallelStrategy`` do;
+- the mesh is the strategies' own (:class:`~lit_memtrain.parallel.dims.ParallelDims`: ``data_parallel``, then
+  ``context_parallel`` innermost when sequences are split), and the model is sharded over every rank by
+  :func:`~lit_memtrain.parallel.fsdp.parallelize` with the strategy's ``MixedPrecisionPolicy`` and
+  ``CPUOffloadPolicy``, as ``FSDP2Strategy`` and ``ContextParallelStrategy`` do;
 - with ``context_parallel_size > 1`` the batch is cut by
   :func:`~lit_memtrain.parallel.context_parallel.shard_batch` (``sequence / cp`` tokens per rank after the padding the
   method needs) and the attention is :func:`~lit_memtrain.parallel.context_parallel.install_attention`'s:
@@ -21,8 +22,9 @@ done here by the code a run uses, on fake tensors, as rank 0 of a fake process g
 What stands in for what the CPU cannot run: SDPA on the stand-in device runs as the O(L) flash kernel, as it
 does on CUDA (its math fallback would build L x L weights that no GPU run builds), and a lower-right causal
 mask (ring blocks that start inside a document) is its causal flag, the same memory. The values that only
-serve checks are not simulated: the once-per-batch position check of the installed attention and the
-document-isolation probe (both read values fake tensors do not have) are marked done.
+serve checks are not simulated: the once-per-batch position check of the installed attention is switched off
+(``set_layout(..., check_positions=False)``) and the document-isolation probe is marked done (both read values
+fake tensors do not have).
 """
 
 from __future__ import annotations
@@ -36,14 +38,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.nn.attention.bias import CausalBias
 
 from lit_memtrain.parallel.context_parallel import check_context_parallel, install_attention, shard_batch
+from lit_memtrain.parallel.fsdp import mixed_precision_policy, parallelize
 from lit_memtrain.planner.settings import StrategySpec
 from lit_memtrain.planner.sharded import fake_process_group
 from lit_memtrain.planner.simulate import STAND_IN_DEVICE, stand_in_device
-from lit_memtrain.parallel.fsdp import parallelize
 
 __all__ = ["RankSetup", "check_strategy", "device_mesh", "flash_sdpa", "set_up_rank", "shard_model"]
 
@@ -69,34 +72,29 @@ def check_strategy(strategy: StrategySpec, model_config: Any) -> None:
         )
 
 
-def device_mesh(strategy: StrategySpec) -> Any:
-    """The ``(data_parallel, context_parallel)`` mesh of rank 0 in a fake process group, and the two flattened
-    (what FSDP2 shards over). Made outside ``FakeTensorMode``: a mesh reads the values of its rank tensor."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    cp = strategy.context_parallel_size
+def device_mesh(strategy: StrategySpec) -> tuple[DeviceMesh, DeviceMesh]:
+    """The strategy's device mesh, as rank 0 of a fake process group, and the 1-D mesh FSDP2 shards over (both
+    from :meth:`~lit_memtrain.parallel.dims.ParallelDims.build_meshes`). Made outside ``FakeTensorMode``: a mesh
+    reads the values of its rank tensor."""
     fake_process_group(strategy.world_size)
-    mesh = init_device_mesh(
-        stand_in_device().type, (strategy.world_size // cp, cp), mesh_dim_names=("data_parallel", "context_parallel")
-    )
-    return mesh, mesh._flatten()
+    return strategy.parallel_dims.build_meshes(stand_in_device().type)
 
 
-def shard_model(model: torch.nn.Module, flat_mesh: Any, strategy: StrategySpec) -> None:
+def shard_model(model: torch.nn.Module, flat_mesh: DeviceMesh, strategy: StrategySpec) -> None:
     """Shard ``model`` (on the stand-in device) over every rank as the strategy would."""
-    from lit_memtrain.strategies.fsdp2 import _mixed_precision_policy
-
     model.tie_weights()
     parallelize(
         model,
         flat_mesh,
-        mp_policy=_mixed_precision_policy(strategy.mixed_precision),
+        mp_policy=mixed_precision_policy(strategy.mixed_precision),
         offload_policy=CPUOffloadPolicy(pin_memory=False) if strategy.cpu_offload else None,
         reshard_after_forward=strategy.reshard_after_forward,
     )
 
 
-def set_up_rank(model: torch.nn.Module, mesh: Any, strategy: StrategySpec, batch: dict[str, Tensor]) -> RankSetup:
+def set_up_rank(
+    model: torch.nn.Module, mesh: DeviceMesh | None, strategy: StrategySpec, batch: dict[str, Tensor]
+) -> RankSetup:
     """Rank 0's batch (its sequence shard under context parallelism) and attention.
 
     ``batch`` is the whole micro-batch (``input_ids``, ``labels``): with context parallelism real CPU tensors,
@@ -110,8 +108,8 @@ def set_up_rank(model: torch.nn.Module, mesh: Any, strategy: StrategySpec, batch
     attention = install_attention(model, mesh["context_parallel"].get_group(), method, ring_backend="all_gather")
     with unset_fake_temporarily():  # real CPU tensors: values are read
         shard = shard_batch(batch, 0, cp, method)
-        attention.set_layout(shard.layout)
-    attention._positions_checked = True  # the position check compares values, which fake tensors do not have
+        # The local batch below takes the shard's position ids, and the check compares values fake tensors lack.
+        attention.set_layout(shard.layout, check_positions=False)
     # The shard's targets are already shifted; the module shifts the labels it is given once more, which moves
     # no memory (the same [B, L / cp] tensor).
     local = {

@@ -17,7 +17,13 @@ from typing import Any
 from lit_memtrain.planner.search import LengthSearch, find_max_length
 from lit_memtrain.planner.settings import PlanSettings
 from lit_memtrain.planner.step import StepSimulation, simulate_fit_step
-from lit_memtrain.planner.techniques import SUGGESTIONS, Techniques, comparison_rows, techniques_of, with_techniques
+from lit_memtrain.planner.techniques import (
+    Techniques,
+    comparison_rows,
+    suggestions,
+    techniques_of,
+    with_techniques,
+)
 
 __all__ = ["DEFAULT_GPU_MEMORY_GIB", "DEFAULT_MARGIN", "Budget", "ComparisonRow", "Planner", "gpu_budget"]
 
@@ -112,25 +118,22 @@ class Planner:
     def suggestion(self) -> dict[str, Any] | None:
         """What to add to the configuration so that it fits at its own length, or None if it already fits.
 
-        Techniques are added in the order of :data:`~lit_memtrain.planner.techniques.SUGGESTIONS`, each on
-        top of the previous ones; the first combination that fits is the suggestion.
+        Techniques are added in the order of :func:`~lit_memtrain.planner.techniques.suggestions`, each on top of
+        the previous ones; the first combination that fits is the suggestion. A technique the model cannot take
+        (a ``ValueError`` when simulated: ChunkedRMSNorm on Gemma's norms) is left out.
         """
         current = techniques_of(self.settings)
         if self.budget.fits(self.simulate(current).memory.device_peak):
             return None
         added: list[str] = []
         candidate = current
-        for name, how in SUGGESTIONS:
-            if name == "cpu_offload" and not self.settings.strategy.sharded:
-                continue
-            updated = _add(candidate, name)
+        for how, change in suggestions(self.settings):
+            updated = change(candidate)
             if updated == candidate:
                 continue
             try:
                 step = self.simulate(updated)
-            except ValueError:  # a technique this model cannot take (ChunkedRMSNorm on Gemma's norms)
-                if name != "chunked_rms_norm":
-                    raise
+            except ValueError:
                 continue
             candidate = updated
             added.append(how)
@@ -146,43 +149,21 @@ class Planner:
         }
 
     def comparison(self) -> list[ComparisonRow]:
-        """One row per technique added in turn (:func:`~lit_memtrain.planner.techniques.comparison_rows`)."""
+        """One row per technique added in turn (:func:`~lit_memtrain.planner.techniques.comparison_rows`); a row
+        whose technique the model cannot take (a ``ValueError`` when simulated: ChunkedRMSNorm on Gemma's norms)
+        says why instead."""
         rows = []
         for name, techniques, note in comparison_rows(self.settings):
             row = ComparisonRow(name, techniques, note)
             if techniques is not None:
                 try:
                     row.step = self.simulate(techniques)
-                except ValueError as error:  # a technique the model cannot take (ChunkedRMSNorm on Gemma's norms)
-                    if not techniques.chunked_rms_norm or techniques_of(self.settings).chunked_rms_norm:
-                        raise
+                except ValueError as error:
                     row.techniques, row.note = None, str(error)
                 else:
                     row.search = self.longest_length(techniques)
             rows.append(row)
         return rows
-
-
-def _add(techniques: Techniques, name: str) -> Techniques:
-    from dataclasses import replace
-
-    if name == "checkpointing":
-        return techniques if techniques.checkpointing else replace(techniques, checkpointing="full")
-    if name == "chunked_loss":
-        return replace(techniques, chunked_loss=True)
-    if name == "tiled_mlp":
-        return replace(techniques, tiled_mlp=True)
-    if name == "cpu_offload":
-        return replace(techniques, cpu_offload=True)
-    if name == "chunked_rms_norm":
-        return replace(techniques, chunked_rms_norm=True)
-    if name == "full_checkpointing":
-        modes = {"selective": "full", "selective_offload": "offload"}
-        return replace(techniques, checkpointing=modes.get(techniques.checkpointing, techniques.checkpointing))
-    if techniques.activation_offloading or (techniques.checkpointing or "").endswith("offload"):
-        return techniques
-    mode = "selective_offload" if techniques.checkpointing == "selective" else "offload"
-    return replace(techniques, checkpointing=mode)
 
 
 def breakdown(step: StepSimulation) -> dict[str, int]:

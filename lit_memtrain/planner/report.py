@@ -9,7 +9,7 @@ from lit_memtrain.planner.plan import Budget, ComparisonRow, breakdown
 from lit_memtrain.planner.search import LengthSearch
 from lit_memtrain.planner.settings import PlanSettings
 from lit_memtrain.planner.step import StepSimulation
-from lit_memtrain.planner.techniques import techniques_of
+from lit_memtrain.planner.techniques import is_technique, techniques_of
 
 __all__ = ["PlanReport"]
 
@@ -163,9 +163,7 @@ def _count(number: int) -> str:
 
 
 def _simulated_names(settings: PlanSettings) -> set[str]:
-    from lit_memtrain.planner.settings import SIMULATED_CALLBACKS
-
-    return {spec.name for spec in settings.callbacks if issubclass(spec.resolve(), SIMULATED_CALLBACKS)}
+    return {spec.name for spec in settings.callbacks if is_technique(spec.resolve())}
 
 
 def _model_name(settings: PlanSettings) -> str:

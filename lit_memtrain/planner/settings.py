@@ -13,23 +13,20 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from lit_memtrain.callbacks.activation_offloading import ActivationOffloading
-from lit_memtrain.callbacks.chunked_rms_norm import ChunkedRMSNorm
-from lit_memtrain.callbacks.gradient_checkpointing import GradientCheckpointing
-from lit_memtrain.callbacks.tiled_mlp import TiledMLP
+from lit_memtrain.parallel.dims import ParallelDims
 
 __all__ = [
     "CAUSAL_LM_MODULE",
     "DPO_MODULE",
-    "SIMULATED_CALLBACKS",
     "CallbackSpec",
     "PlanSettings",
     "StrategySpec",
+    "import_class",
+    "init_defaults",
     "init_parameters",
     "normalise_precision",
 ]
 
-SIMULATED_CALLBACKS = (GradientCheckpointing, TiledMLP, ActivationOffloading, ChunkedRMSNorm)
 # The modules whose training step a plan simulates: SFT (cross-entropy) and DPO (a pair's two sequences per step).
 CAUSAL_LM_MODULE = "lit_memtrain.objectives.causal_lm.CausalLMModule"
 DPO_MODULE = "lit_memtrain.objectives.dpo.DPOModule"
@@ -58,18 +55,40 @@ def normalise_precision(precision: str | int | None) -> str:
     return _PRECISIONS[name]
 
 
-def init_parameters(cls: type) -> set[str]:
-    """The ``__init__`` arguments of ``cls`` by name, with those of the classes it passes ``**kwargs`` on to (a
-    :class:`~lit_memtrain.objectives.dpo.DPOModule` takes every :class:`~lit_memtrain.objectives.causal_lm.CausalLMModule` argument)."""
-    names: set[str] = set()
+def init_parameters(cls: type) -> dict[str, inspect.Parameter]:
+    """The ``__init__`` parameters of ``cls`` by name, with those of the classes it passes ``**kwargs`` on to (a
+    :class:`~lit_memtrain.objectives.dpo.DPOModule` takes every
+    :class:`~lit_memtrain.objectives.causal_lm.CausalLMModule` argument); a subclass's parameter hides its base's."""
+    found: dict[str, inspect.Parameter] = {}
     for klass in cls.__mro__:
         if "__init__" not in vars(klass):
             continue
         parameters = list(inspect.signature(klass.__init__).parameters.values())[1:]  # after self
-        names |= {p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+        for p in parameters:
+            if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+                found.setdefault(p.name, p)
         if not any(p.kind is p.VAR_KEYWORD for p in parameters):
             break
-    return names
+    return found
+
+
+def init_defaults(cls: type) -> dict[str, Any]:
+    """The default of each ``__init__`` argument of ``cls`` that has one (see :func:`init_parameters`): what a
+    configuration that leaves the argument out gets, read from the class that owns it."""
+    return {name: p.default for name, p in init_parameters(cls).items() if p.default is not p.empty}
+
+
+def import_class(class_path: str, what: str) -> type:
+    """The class named by ``class_path`` (``package.module.Class``).
+
+    Raises:
+        ValueError: it cannot be imported; the message says what it is (``what``: ``"the callback"``...).
+    """
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ValueError(f"Cannot import {what} {class_path!r}: {error}") from error
 
 
 @dataclass(frozen=True)
@@ -85,11 +104,7 @@ class CallbackSpec:
 
     def resolve(self) -> type:
         """The callback class (``package.module.Class``)."""
-        module_name, _, class_name = self.class_path.rpartition(".")
-        try:
-            return getattr(importlib.import_module(module_name), class_name)
-        except (ImportError, AttributeError, ValueError) as error:
-            raise ValueError(f"Cannot import the callback {self.class_path!r}: {error}") from error
+        return import_class(self.class_path, "the callback")
 
     def instantiate(self) -> Any:
         return self.resolve()(**self.init_args)
@@ -122,13 +137,7 @@ class StrategySpec:
     ring_backend: str = "all_gather"
 
     def __post_init__(self) -> None:
-        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
-            raise ValueError(
-                f"The world size (trainer.devices x trainer.num_nodes) must be a positive int, got {self.world_size!r}."
-            )
-        size = self.context_parallel_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"context_parallel_size must be a positive int, got {size!r}.")
+        size = self.parallel_dims.context_parallel_size  # the world size and the group size, and their fit
         if self.context_parallel_method not in ("ulysses", "ring"):
             raise ValueError(
                 f"context_parallel_method must be 'ulysses' or 'ring', got {self.context_parallel_method!r}."
@@ -138,13 +147,20 @@ class StrategySpec:
                 f"context_parallel_size={size} needs a sharded strategy (lit_memtrain.strategies."
                 f"ContextParallelStrategy, or FSDP2Strategy for the plan), but trainer.strategy is {self.name!r}."
             )
-        if self.world_size % size:
-            divisors = [d for d in range(1, self.world_size + 1) if self.world_size % d == 0]
-            raise ValueError(
-                f"context_parallel_size={size} does not divide the world size {self.world_size} (trainer.devices x "
-                f"trainer.num_nodes): the ranks form groups of {size} that share a sequence. Use one of {divisors}, "
-                "or more devices."
-            )
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        """The planned run's parallel sizes and mesh, as the strategies make them.
+
+        Raises:
+            ValueError: a world size or ``context_parallel_size`` that is not a positive int, or a group size
+                that does not divide the world size.
+        """
+        return ParallelDims(
+            self.world_size,
+            context_parallel_size=self.context_parallel_size,
+            world_size_source="trainer.devices x trainer.num_nodes",
+        )
 
     @property
     def sharded(self) -> bool:
@@ -160,8 +176,8 @@ class PlanSettings:
         module: :class:`~lit_memtrain.objectives.causal_lm.CausalLMModule` arguments (``model``/``preset``/``config``,
             ``dtype``, ``loss_type``, ``lora``...).
         precision: Lightning's unified precision name (``"bf16-mixed"``, ``"32-true"``...).
-        callbacks: the configured callbacks; those in :data:`SIMULATED_CALLBACKS` change the step and are
-            simulated, the others are listed as having no effect on its memory.
+        callbacks: the configured callbacks; the technique callbacks (see :mod:`lit_memtrain.planner.techniques`)
+            change the step and are simulated, the others are listed as having no effect on its memory.
         max_length: tokens per row.
         batch_size: rows per micro-batch.
         padding_free: rows are flattened into one (packing or ``padding_free``).
@@ -229,10 +245,6 @@ class PlanSettings:
     def callback(self, kind: type) -> CallbackSpec | None:
         """The first configured callback that is a ``kind`` (a class or a subclass of it)."""
         return next((spec for spec in self.callbacks if issubclass(spec.resolve(), kind)), None)
-
-    def without_callbacks(self, *kinds: type) -> tuple[CallbackSpec, ...]:
-        """The configured callbacks, less those of the given kinds."""
-        return tuple(spec for spec in self.callbacks if not issubclass(spec.resolve(), kinds))
 
     def replace(self, **changes: Any) -> PlanSettings:
         return dataclasses.replace(self, **changes)

@@ -58,15 +58,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.modeling_utils import AttentionInterface
 
-import lit_memtrain.techniques.rms_norm
-import lit_memtrain.techniques.tiled_mlp
-from lit_memtrain.techniques.checkpointing import apply_checkpointing
 from lit_memtrain.models.layers import find_decoder_layers
-from lit_memtrain.techniques.loss import chunked_cross_entropy, cross_entropy
+from lit_memtrain.models.presets import build_config
 from lit_memtrain.planner.autocast import register_stand_in_autocast
 from lit_memtrain.planner.tracker import MemoryTracker
-from lit_memtrain.models.presets import build_config
-from lit_memtrain.techniques.tiled_mlp import apply_tiled_mlp
+from lit_memtrain.techniques.checkpointing import apply_checkpointing
+from lit_memtrain.techniques.loss import chunked_cross_entropy, cross_entropy
+from lit_memtrain.techniques.rms_norm import probe_rms_norm, probed_with, selected_chunks
+from lit_memtrain.techniques.tiled_mlp import apply_tiled_mlp, selected_tiles
 
 __all__ = [
     "MemoryReport",
@@ -340,22 +339,12 @@ def tiles_simulated_once() -> Iterator[None]:
     """Run only the first three tiles and the last of each tiled MLP and chunked RMSNorm (see the module
     docstring for why the peak is exact). For fake tensors only: on real ones the other tiles' outputs would be
     left empty."""
-    tile_bounds, chunk_bounds = lit_memtrain.techniques.tiled_mlp._tile_bounds, lit_memtrain.techniques.rms_norm._chunk_bounds
-
-    def first_three_and_last(bounds_of: Callable[[int, int], list[tuple[int, int]]]):
-        def bounds(length: int, count: int) -> list[tuple[int, int]]:
-            found = bounds_of(length, count)
-            return found if len(found) <= 4 else [*found[:3], found[-1]]
-
-        return bounds
-
-    lit_memtrain.techniques.tiled_mlp._tile_bounds = first_three_and_last(tile_bounds)
-    lit_memtrain.techniques.rms_norm._chunk_bounds = first_three_and_last(chunk_bounds)
-    try:
+    with selected_tiles(_first_three_and_last), selected_chunks(_first_three_and_last):
         yield
-    finally:
-        lit_memtrain.techniques.tiled_mlp._tile_bounds = tile_bounds
-        lit_memtrain.techniques.rms_norm._chunk_bounds = chunk_bounds
+
+
+def _first_three_and_last(bounds: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    return bounds if len(bounds) <= 4 else [*bounds[:3], bounds[-1]]
 
 
 @contextlib.contextmanager
@@ -363,17 +352,13 @@ def norm_probes_on_real_tensors() -> Iterator[None]:
     """Run the chunked RMSNorm's probe on real CPU tensors while fake ones are being simulated: the probe
     swaps in a weight of its own and compares values, which fake tensors have none of; its verdict decides
     which norms are replaced, so the plan gets the same ones as the run."""
-    probe = lit_memtrain.techniques.rms_norm._probe
 
     def on_real_tensors(norm: torch.nn.Module) -> str | None:
         with unset_fake_temporarily():
-            return probe(norm)
+            return probe_rms_norm(norm)
 
-    lit_memtrain.techniques.rms_norm._probe = on_real_tensors
-    try:
+    with probed_with(on_real_tensors):
         yield
-    finally:
-        lit_memtrain.techniques.rms_norm._probe = probe
 
 
 def _step_loss(model: PreTrainedModel, input_ids: Tensor, position_ids: Tensor, targets: Tensor, loss: str) -> Tensor:

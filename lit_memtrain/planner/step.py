@@ -50,7 +50,7 @@ from lit_memtrain.models.layers import find_decoder_layers
 from lit_memtrain.models.lora import LoraSettings, apply_lora
 from lit_memtrain.models.builder import DTYPES, ModelRecipe, causal_lm_config
 from lit_memtrain.planner.per_rank import check_strategy, device_mesh, flash_sdpa, set_up_rank, shard_model
-from lit_memtrain.planner.settings import SIMULATED_CALLBACKS, PlanSettings, init_parameters
+from lit_memtrain.planner.settings import PlanSettings, init_parameters
 from lit_memtrain.planner.simulate import (
     STAND_IN_DEVICE,
     MemoryReport,
@@ -60,6 +60,7 @@ from lit_memtrain.planner.simulate import (
     stand_in_device,
     tiles_simulated_once,
 )
+from lit_memtrain.planner.techniques import is_technique
 from lit_memtrain.objectives.probes import LogitTransform
 
 __all__ = ["StepSimulation", "simulate_fit_step"]
@@ -116,7 +117,7 @@ def simulate_fit_step(settings: PlanSettings, max_length: int | None = None) -> 
     model_config = _model_config(module.recipe, settings, notes)
     build_dtype = _build_dtype(module.recipe, model_config)
     convert_dtype = _TRUE_PRECISION_DTYPES.get(settings.precision)
-    callbacks = [spec.instantiate() for spec in settings.callbacks if issubclass(spec.resolve(), SIMULATED_CALLBACKS)]
+    callbacks = [spec.instantiate() for spec in settings.callbacks if is_technique(spec.resolve())]
     strategy = settings.strategy
     trainer = _StepTrainer(settings.accumulate_grad_batches, strategy.world_size)
     device = stand_in_device()
@@ -137,7 +138,7 @@ def simulate_fit_step(settings: PlanSettings, max_length: int | None = None) -> 
         module._device = device  # what LightningModule.to(device) records; the weights are already there
         # The setup probes read values, which fake tensors have none of; a logit scale or cap the chunked loss
         # applies costs no memory worth simulating, so the plain head stands in for what the probe would find.
-        module._logit_transform = LogitTransform()
+        module.setup_probes.assume_passed(logit_transform=LogitTransform())
         try:
             with norm_probes_on_real_tensors():
                 for callback in callbacks:
@@ -145,7 +146,8 @@ def simulate_fit_step(settings: PlanSettings, max_length: int | None = None) -> 
             optimizer = _steady_state_optimizer(module)
             batch = _batch(settings, max_length, getattr(module, "reference_mode", None))
             rank = set_up_rank(module.model, mesh, strategy, batch)
-            module._isolation_proven_for = module.model.config._attn_implementation  # a probe of values
+            # The document probe, too, reads values.
+            module.setup_probes.assume_passed(document_attention=module.model.config._attn_implementation)
             notes += rank.notes
             buckets = _ddp_buckets(module, settings, notes)
             with tiles_simulated_once(), flash_sdpa():

@@ -1,155 +1,247 @@
-"""Switching a configuration's memory techniques on and off, for the comparison and the suggestions.
+"""A configuration's memory techniques, switched on and off for the comparison and the suggestions.
 
-Why a small description of its own: ``--compare`` replays the same model, precision and batch with the
-techniques added one at a time, and a plan that does not fit says which technique to add. Both edit the
-same things of :class:`~lit_memtrain.planner.settings.PlanSettings`: the loss, the checkpointing
-callback's mode, the tiled-MLP, activation-offloading and chunked-RMSNorm callbacks, and for the sharded
-strategies (FSDP2, context parallel) ``cpu_offload`` and the context-parallel size. Options the user gave those
-callbacks (``layers_path``, ``num_tiles``, offloading thresholds) are kept when a technique stays on.
+Why the techniques are learnt from the callbacks: ``--compare`` replays the same model, precision and batch with
+the techniques added one at a time, and a plan that does not fit says which technique to add. Most techniques are
+callbacks, and each describes itself
+(:meth:`~lit_memtrain.callbacks.technique_description.PlannedTechnique.describe_for_planner`): its words, its rows
+and its suggestions. The technique callbacks are those :mod:`lit_memtrain.callbacks` exports and those the
+configuration names (a user's own), found by that method; nothing here lists them. The planner's own techniques are
+those that are not callbacks: the module's chunked loss, and for the sharded strategies (FSDP2, context parallel)
+``cpu_offload`` and the context-parallel size.
+
+Options the user gave a technique callback (``layers_path``, ``num_tiles``, offloading thresholds) are kept when
+the technique is added by a row or a suggestion.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any
 
-from lit_memtrain.callbacks.activation_offloading import ActivationOffloading
-from lit_memtrain.callbacks.chunked_rms_norm import ChunkedRMSNorm
-from lit_memtrain.callbacks.gradient_checkpointing import GradientCheckpointing
-from lit_memtrain.callbacks.tiled_mlp import TiledMLP
-from lit_memtrain.planner.settings import CallbackSpec, PlanSettings
+from lightning.pytorch import Callback
 
-__all__ = ["SUGGESTIONS", "Techniques", "comparison_rows", "techniques_of", "with_techniques"]
+import lit_memtrain.callbacks
+from lit_memtrain.callbacks.technique_description import PlannedTechnique, TechniqueDescription
+from lit_memtrain.planner.settings import CallbackSpec, PlanSettings, import_class, init_defaults
 
-Checkpointing = Literal["full", "selective", "offload", "selective_offload"]
+__all__ = ["Techniques", "comparison_rows", "is_technique", "suggestions", "techniques_of", "with_techniques"]
+
+# Where the planner's own techniques go (see lit_memtrain.callbacks.technique_description).
+_CHUNKED_LOSS, _CPU_OFFLOAD, _CONTEXT_PARALLEL = 20, 60, 70
+_SUGGESTED_CHUNKED_LOSS, _SUGGESTED_CPU_OFFLOAD = 20, 70
+
+
+def is_technique(cls: type) -> bool:
+    """Whether ``cls`` is a technique callback: a callback the planner simulates, as it describes itself."""
+    return issubclass(cls, Callback) and issubclass(cls, PlannedTechnique)
+
+
+def _class_path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _spec(kind: type, init_args: dict[str, Any]) -> CallbackSpec:
+    """``kind`` with the arguments that differ from its defaults: two ways of writing one callback are one spec."""
+    defaults = init_defaults(kind)
+    changed = {name: value for name, value in init_args.items() if name not in defaults or defaults[name] != value}
+    return CallbackSpec(_class_path(kind), changed)
+
+
+def _description(spec: CallbackSpec) -> TechniqueDescription:
+    return spec.instantiate().describe_for_planner()
 
 
 @dataclass(frozen=True)
 class Techniques:
-    """The memory techniques of a configuration."""
+    """The memory techniques of a configuration.
 
-    checkpointing: Checkpointing | None = None
+    Attributes:
+        callbacks: its technique callbacks, each with the arguments that differ from its defaults, in the order of
+            their descriptions.
+        chunked_loss: the module's ``loss_type`` is ``chunked``.
+        cpu_offload: the sharded strategy keeps parameters, gradients and optimizer state in host memory.
+        context_parallel_size: ranks each sequence is split over.
+    """
+
+    callbacks: tuple[CallbackSpec, ...] = ()
     chunked_loss: bool = False
-    tiled_mlp: bool = False
-    activation_offloading: bool = False
     cpu_offload: bool = False
     context_parallel_size: int = 1
-    chunked_rms_norm: bool = False
+
+    def __hash__(self) -> int:  # a simulation's key: its arguments are JSON values, compared by their text
+        return hash(json.dumps(dataclasses.asdict(self), sort_keys=True, default=repr))
+
+    def callback(self, kind: type) -> CallbackSpec | None:
+        """The technique callback that is a ``kind`` (a class or a subclass of it), if on."""
+        return next((spec for spec in self.callbacks if issubclass(spec.resolve(), kind)), None)
+
+    def with_callback(self, spec: CallbackSpec) -> Techniques:
+        """These techniques with ``spec`` in place of the callback of its class, or added."""
+        kind = spec.resolve()
+        callbacks = [other for other in self.callbacks if other.resolve() is not kind]
+        callbacks.append(_spec(kind, spec.init_args))
+        callbacks.sort(key=lambda other: _description(other).order)
+        return dataclasses.replace(self, callbacks=tuple(callbacks))
 
     def describe(self) -> str:
-        parts = []
-        if self.checkpointing is not None:
-            parts.append({
-                "full": "gradient checkpointing",
-                "selective": "selective checkpointing",
-                "offload": "checkpointing with offloaded inputs",
-                "selective_offload": "selective checkpointing with offloaded inputs",
-            }[self.checkpointing])
-        parts += [name for name, on in (
-            ("chunked loss", self.chunked_loss),
-            ("tiled MLP", self.tiled_mlp),
-            ("activation offloading", self.activation_offloading),
-            ("CPU-offloaded state", self.cpu_offload),
-            (f"context parallel over {self.context_parallel_size} ranks", self.context_parallel_size > 1),
-            ("chunked RMSNorm", self.chunked_rms_norm),
+        """The techniques in words, as the plan's ``Techniques:`` line names them."""
+        descriptions = [_description(spec) for spec in self.callbacks]
+        parts = [(description.order, description.words) for description in descriptions]
+        parts += [(order, words) for order, words, on in (
+            (_CHUNKED_LOSS, "chunked loss", self.chunked_loss),
+            (_CPU_OFFLOAD, "CPU-offloaded state", self.cpu_offload),
+            (_CONTEXT_PARALLEL, f"context parallel over {self.context_parallel_size} ranks",
+             self.context_parallel_size > 1),
         ) if on]  # fmt: skip
-        return ", ".join(parts) or "none"
+        return ", ".join(words for _, words in sorted(parts, key=lambda part: part[0])) or "none"
+
+
+def _technique_kinds(settings: PlanSettings) -> list[type]:
+    """The technique callbacks ``settings`` can have: those :mod:`lit_memtrain.callbacks` exports, each replaced by
+    the configured subclass of it, then the configured ones of the user's own."""
+    exported = [getattr(lit_memtrain.callbacks, name) for name in lit_memtrain.callbacks.__all__]
+    exported = [cls for cls in exported if isinstance(cls, type) and is_technique(cls)]
+    configured = [cls for cls in (spec.resolve() for spec in settings.callbacks) if is_technique(cls)]
+    kinds = [next((cls for cls in configured if issubclass(cls, kind)), kind) for kind in exported]
+    return kinds + [cls for cls in dict.fromkeys(configured) if not issubclass(cls, tuple(exported))]
+
+
+def _configured(settings: PlanSettings, kind: type) -> CallbackSpec:
+    """``kind`` as the configuration gives it (the first configured callback that is one), or with its defaults."""
+    spec = next((spec for spec in settings.callbacks if issubclass(spec.resolve(), kind)), None)
+    return _spec(kind, spec.init_args if spec is not None else {})
 
 
 def techniques_of(settings: PlanSettings) -> Techniques:
     """The techniques ``settings`` turn on."""
-    checkpointing = None
-    spec = settings.callback(GradientCheckpointing)
-    if spec is not None:
-        selective, offload = spec.init_args.get("selective", False), spec.init_args.get("offload", False)
-        checkpointing = {(False, False): "full", (True, False): "selective", (False, True): "offload"}.get(
-            (selective, offload), "selective_offload"
-        )
-    return Techniques(
-        checkpointing=checkpointing,
-        chunked_loss=settings.module.get("loss_type", "chunked") == "chunked",
-        tiled_mlp=settings.callback(TiledMLP) is not None,
-        activation_offloading=settings.callback(ActivationOffloading) is not None,
+    techniques = Techniques(
+        chunked_loss=_loss_type(settings) == "chunked",
         cpu_offload=settings.strategy.cpu_offload,
         context_parallel_size=settings.strategy.context_parallel_size,
-        chunked_rms_norm=settings.callback(ChunkedRMSNorm) is not None,
     )
+    configured = {spec.resolve() for spec in settings.callbacks}
+    for kind in _technique_kinds(settings):
+        if any(issubclass(cls, kind) for cls in configured):
+            techniques = techniques.with_callback(_configured(settings, kind))
+    return techniques
 
 
-def _spec(settings: PlanSettings, kind: type, **init_args: object) -> CallbackSpec:
-    existing = settings.callback(kind)
-    kept = dict(existing.init_args) if existing is not None else {}
-    return CallbackSpec(f"{kind.__module__}.{kind.__qualname__}", {**kept, **init_args})
+def _loss_type(settings: PlanSettings) -> str:
+    """The module's ``loss_type``, or its default."""
+    default = init_defaults(import_class(settings.module_class, "model.class_path"))["loss_type"]
+    return settings.module.get("loss_type", default)
 
 
 def with_techniques(settings: PlanSettings, techniques: Techniques) -> PlanSettings:
     """``settings`` with exactly ``techniques`` on (everything else unchanged)."""
-    callbacks = list(settings.without_callbacks(GradientCheckpointing, TiledMLP, ActivationOffloading, ChunkedRMSNorm))
-    if techniques.checkpointing is not None:
-        selective = techniques.checkpointing.startswith("selective")
-        offload = techniques.checkpointing.endswith("offload")
-        callbacks.append(_spec(settings, GradientCheckpointing, selective=selective, offload=offload))
-    if techniques.tiled_mlp:
-        callbacks.append(_spec(settings, TiledMLP))
-    if techniques.activation_offloading:
-        callbacks.append(_spec(settings, ActivationOffloading))
-    if techniques.chunked_rms_norm:
-        callbacks.append(_spec(settings, ChunkedRMSNorm))
+    kept = tuple(spec for spec in settings.callbacks if not is_technique(spec.resolve()))
     module = {**settings.module, "loss_type": "chunked" if techniques.chunked_loss else "nll"}
     strategy = dataclasses.replace(
         settings.strategy, cpu_offload=techniques.cpu_offload, context_parallel_size=techniques.context_parallel_size
     )
-    return settings.replace(module=module, callbacks=tuple(callbacks), strategy=strategy)
+    return settings.replace(module=module, callbacks=kept + techniques.callbacks, strategy=strategy)
 
 
-# One row per technique added in turn. Activation offloading moves the same tensors as offloaded
-# checkpoints (each layer's input, under checkpointing) by another mechanism, so its row replaces that one
-# instead of adding to it (on top of offloaded checkpoints it would find nothing left to move); the rows after
-# it build on offloaded checkpoints.
-_FULL = Techniques(checkpointing="full", chunked_loss=True, tiled_mlp=True)
-_OFFLOADED = Techniques(checkpointing="offload", chunked_loss=True, tiled_mlp=True)
+_Change = Callable[[Techniques], Techniques]
+
+
+def _setting(settings: PlanSettings, kind: type, init_args: dict[str, Any], unless: tuple[type, ...] = ()) -> _Change:
+    """Set ``init_args`` on ``kind``, over the arguments it has, or those the configuration gives it; no change
+    while a callback of ``unless`` is on."""
+
+    def change(techniques: Techniques) -> Techniques:
+        if any(techniques.callback(other) is not None for other in unless):
+            return techniques
+        current = techniques.callback(kind) or _configured(settings, kind)
+        return techniques.with_callback(CallbackSpec(current.class_path, {**current.init_args, **init_args}))
+
+    return change
+
+
+@dataclass(frozen=True)
+class _Row:
+    order: int
+    name: str
+    change: _Change | None  # None: the strategy cannot have it (the note says what would)
+    note: str = ""
+    in_place_of: str | None = None
+    strategy: bool = False  # the planner's own strategy rows build on the rows above less those in place of another
 
 
 def comparison_rows(settings: PlanSettings) -> list[tuple[str, Techniques | None, str]]:
     """``--compare``'s rows for ``settings``: (name, techniques or None when the strategy cannot have it, note).
 
-    The strategy's own rows: CPU-offloaded state for a sharded strategy (FSDP2 or context parallel), context
-    parallelism when the configuration splits sequences (``context_parallel_size > 1``). The rows before them
-    run the same strategy without them. The last row adds chunked RMSNorms to the last row simulated.
+    Each row adds its technique to the last row above it that is simulated; a row in place of another adds to what
+    that one added to. The strategy's own rows: CPU-offloaded state for a sharded strategy (FSDP2 or context
+    parallel), context parallelism when the configuration splits sequences (``context_parallel_size > 1``); they
+    build on the rows above them but those in place of another. The rows before them run the same strategy without
+    them.
     """
+    rows = _own_rows(settings)
+    for kind in _technique_kinds(settings):
+        for row in _description(_configured(settings, kind)).rows:
+            change = _setting(settings, kind, row.init_args)
+            rows.append(_Row(row.order, row.name, change, row.note, row.in_place_of))
+    result: list[tuple[str, Techniques | None, str]] = []
+    last = chain = Techniques()
+    bases: dict[str, Techniques] = {}
+    for row in sorted(rows, key=lambda row: row.order):
+        if row.change is None:
+            result.append((row.name, None, row.note))
+            continue
+        if row.in_place_of is not None and row.in_place_of not in bases:
+            raise ValueError(
+                f"The --compare row {row.name!r} stands in place of {row.in_place_of!r}, which is not a row above it."
+            )
+        base = bases[row.in_place_of] if row.in_place_of is not None else chain if row.strategy else last
+        techniques = row.change(base)
+        bases[row.name] = base
+        result.append((row.name, techniques, row.note))
+        last = techniques
+        if row.in_place_of is None:
+            chain = techniques
+    return result
+
+
+def _own_rows(settings: PlanSettings) -> list[_Row]:
     strategy = settings.strategy
-    offloaded_state = dataclasses.replace(_OFFLOADED, cpu_offload=True)
     cp = strategy.context_parallel_size
     rows = [
-        ("plain", Techniques(), ""),
-        ("+ checkpointing", Techniques(checkpointing="full"), ""),
-        ("+ chunked loss", Techniques(checkpointing="full", chunked_loss=True), ""),
-        ("+ tiled MLP", _FULL, ""),
-        ("+ offloaded checkpoints", _OFFLOADED, ""),
-        ("+ activation offloading", dataclasses.replace(_FULL, activation_offloading=True),
-         "in place of offloaded checkpoints"),
-        ("+ CPU-offloaded state", offloaded_state, "") if strategy.sharded else
-        ("+ CPU-offloaded state", None,
-         "needs --trainer.strategy=lit_memtrain.strategies.FSDP2Strategy (cpu_offload: true)"),
-        ("+ context parallel", dataclasses.replace(offloaded_state, context_parallel_size=cp),
-         f"{cp} ranks per sequence, {strategy.context_parallel_method}") if cp > 1 else
-        ("+ context parallel", None, "DPOModule does not support context parallelism") if settings.preference else
-        ("+ context parallel", None,
-         "needs lit_memtrain.strategies.ContextParallelStrategy or --context-parallel-size"),
-    ]  # fmt: skip
-    last = next(techniques for _, techniques, _ in reversed(rows) if techniques is not None)
-    return [*rows, ("+ chunked RMSNorm", dataclasses.replace(last, chunked_rms_norm=True), "")]
+        _Row(0, "plain", lambda techniques: techniques),
+        _Row(_CHUNKED_LOSS, "+ chunked loss", lambda techniques: dataclasses.replace(techniques, chunked_loss=True)),
+    ]
+    if strategy.sharded:
+        rows.append(_Row(_CPU_OFFLOAD, "+ CPU-offloaded state",
+                         lambda techniques: dataclasses.replace(techniques, cpu_offload=True), strategy=True))
+    else:
+        rows.append(_Row(_CPU_OFFLOAD, "+ CPU-offloaded state", None,
+                         "needs --trainer.strategy=lit_memtrain.strategies.FSDP2Strategy (cpu_offload: true)"))
+    if cp > 1:
+        rows.append(_Row(_CONTEXT_PARALLEL, "+ context parallel",
+                         lambda techniques: dataclasses.replace(techniques, context_parallel_size=cp),
+                         f"{cp} ranks per sequence, {strategy.context_parallel_method}", strategy=True))
+    elif settings.preference:
+        rows.append(_Row(_CONTEXT_PARALLEL, "+ context parallel", None,
+                         "DPOModule does not support context parallelism"))
+    else:
+        rows.append(_Row(_CONTEXT_PARALLEL, "+ context parallel", None,
+                         "needs lit_memtrain.strategies.ContextParallelStrategy or --context-parallel-size"))
+    return rows  # fmt: skip
 
 
-# What a plan that does not fit tries, in this order, each on top of the previous ones: (name, how to add it).
-SUGGESTIONS: list[tuple[str, str]] = [
-    ("checkpointing", "gradient checkpointing (callback lit_memtrain.callbacks.GradientCheckpointing)"),
-    ("chunked_loss", "the chunked loss (model.loss_type: chunked)"),
-    ("tiled_mlp", "tiled MLPs (callback lit_memtrain.callbacks.TiledMLP)"),
-    ("offload", "offloaded checkpoints (GradientCheckpointing with init_args offload: true)"),
-    ("chunked_rms_norm", "chunked RMSNorm (callback lit_memtrain.callbacks.ChunkedRMSNorm)"),
-    ("full_checkpointing",
-     "full instead of selective checkpointing (GradientCheckpointing with init_args selective: false)"),
-    ("cpu_offload", "CPU-offloaded state (FSDP2Strategy with init_args cpu_offload: true)"),
-]
+def suggestions(settings: PlanSettings) -> list[tuple[str, Callable[[Techniques], Techniques]]]:
+    """What a plan that does not fit tries, in this order, each on top of the previous ones: (how to add it, the
+    change). The technique callbacks' suggestions, the chunked loss, and CPU-offloaded state for a sharded strategy."""
+    found = [(_SUGGESTED_CHUNKED_LOSS, "the chunked loss (model.loss_type: chunked)",
+              lambda techniques: dataclasses.replace(techniques, chunked_loss=True))]  # fmt: skip
+    if settings.strategy.sharded:
+        found.append((_SUGGESTED_CPU_OFFLOAD, "CPU-offloaded state (FSDP2Strategy with init_args cpu_offload: true)",
+                      lambda techniques: dataclasses.replace(techniques, cpu_offload=True)))  # fmt: skip
+    for kind in _technique_kinds(settings):
+        for suggestion in _description(_configured(settings, kind)).suggestions:
+            change = _setting(settings, kind, suggestion.init_args, suggestion.unless)
+            found.append((suggestion.order, suggestion.text, change))
+    return [(text, change) for _, text, change in sorted(found, key=lambda item: item[0])]

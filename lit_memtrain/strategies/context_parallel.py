@@ -4,7 +4,8 @@ Why a strategy: context parallelism changes four things around an otherwise ordi
 belong to how the ranks are organised, not to the model or the loss:
 
 - *The mesh* is ``(data_parallel, context_parallel)`` with context parallel innermost (a group is neighbouring
-  ranks, on one node). FSDP shards over the flattened mesh, so every rank holds ``1 / world`` of the model and
+  ranks, on one node), as :class:`~lit_memtrain.parallel.dims.ParallelDims` builds it for the strategies and the
+  planner alike. FSDP shards over the flattened mesh, so every rank holds ``1 / world`` of the model and
   gradients are reduced over every rank. Lightning's sampler splits rows over ``data_parallel`` only: every rank
   of a group loads the same rows.
 - *Each batch is sharded along the sequence* as it reaches the device (:meth:`batch_to_device`, with
@@ -12,9 +13,10 @@ belong to how the ranks are organised, not to the model or the loss:
   which the module takes as they are), rows padded to what the method needs (logged once, in tokens), global
   position ids (RoPE and YaRN rotate each token as on one process) and the row's document bounds, handed to
   the attention installed on the model. Validation batches are sharded the same way.
-- *Attention* is swapped for Ulysses or ring (:func:`~lit_memtrain.parallel.context_parallel.install_attention`) at the
-  first batch, after the module's setup probes ran with the model's own attention, and restored when training
-  ends.
+- *Attention* is swapped for Ulysses or ring (:func:`~lit_memtrain.parallel.context_parallel.install_attention`) when
+  a stage starts (``on_train_start``, ``on_validation_start``, ...: Lightning calls the strategy's hook after the
+  module's, so the module's setup probes have run with the model's own attention, and before the first batch),
+  and restored when training ends. :meth:`batch_to_device` only shards each batch and hands its layout over.
 - *The loss* needs nothing new: the module divides each micro-batch's loss by the step's trainable tokens
   counted on the whole rows and summed over ``data_parallel`` (each row once), and each rank's loss is the sum
   over its own tokens, so the ranks' gradients add up to one process's on the whole sequence. Each rank counts
@@ -29,7 +31,6 @@ micro-batch's backward has run (and around each validation step).
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -40,7 +41,8 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from typing_extensions import override
 
-from lit_memtrain.techniques.attention import SDPA_BY_DOCUMENT
+from lit_memtrain.models.moe import router_aux_coefficient
+from lit_memtrain.objectives.throughput import attention_pairs
 from lit_memtrain.parallel.context_parallel import (
     INNER_ATTENTIONS,
     METHODS,
@@ -48,15 +50,14 @@ from lit_memtrain.parallel.context_parallel import (
     ContextParallelAttention,
     ShardLayout,
     check_context_parallel,
-    check_group_size,
     check_same_rows,
     install_attention,
     shard_batch,
     torch_ring_attention,
 )
-from lit_memtrain.models.moe import router_aux_coefficient
+from lit_memtrain.parallel.dims import ParallelDims
 from lit_memtrain.strategies.fsdp2 import FSDP2Strategy
-from lit_memtrain.objectives.throughput import attention_pairs
+from lit_memtrain.techniques.attention import SDPA_BY_DOCUMENT, check_flash_attn
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -115,7 +116,7 @@ class ContextParallelStrategy(FSDP2Strategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
-        check_group_size(context_parallel_size)
+        ParallelDims.check_sizes(context_parallel_size=context_parallel_size)
         if method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(map(repr, METHODS))}, got {method!r}.")
         if inner not in INNER_ATTENTIONS:
@@ -124,11 +125,8 @@ class ContextParallelStrategy(FSDP2Strategy):
             raise ValueError(f"ring_backend must be one of {RING_BACKENDS}, got {ring_backend!r}.")
         if ring_backend == "torch" and method != "ring":
             raise ValueError(f"ring_backend='torch' is a ring kernel; it needs method='ring', got {method!r}.")
-        if method == "ulysses" and inner == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
-            raise ValueError(
-                f"inner='flash_attention_2' needs the flash-attn package (CUDA), which is not installed: pip install "
-                f"'lit-memtrain[flash]', or use inner={SDPA_BY_DOCUMENT!r}."
-            )
+        if method == "ulysses":
+            check_flash_attn(inner, "inner", SDPA_BY_DOCUMENT)
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
@@ -145,7 +143,6 @@ class ContextParallelStrategy(FSDP2Strategy):
         self.inner = inner
         self.ring_backend = ring_backend
         self.pad_token_id = pad_token_id
-        self._fsdp_mesh: DeviceMesh | None = None
         self._model_to_split: nn.Module | None = None
         self._attention: ContextParallelAttention | None = None
         self._layout: ShardLayout | None = None
@@ -153,32 +150,19 @@ class ContextParallelStrategy(FSDP2Strategy):
         self._rows_checked = False
         self._torch_ring = contextlib.ExitStack()
 
+    @property
     @override
-    def mesh_shape(self) -> dict[str, int]:
-        """``{"data_parallel": world / cp, "context_parallel": cp}``, context parallel innermost.
+    def parallel_dims(self) -> ParallelDims:
+        """This run's sizes: ``{"data_parallel": world / cp, "context_parallel": cp}`` as its mesh, context parallel
+        innermost (the model is sharded over every rank: :attr:`fsdp_mesh` is the two flattened). With
+        ``context_parallel_size=1`` it is :class:`~lit_memtrain.strategies.FSDP2Strategy`'s:
+        ``{"data_parallel": world}``.
 
         Raises:
             ValueError: ``context_parallel_size`` does not divide the world size, or ``data_parallel_size`` is not
                 the quotient.
         """
-        world_size = self.num_nodes * self.num_processes
-        check_group_size(self.context_parallel_size, world_size)
-        data_parallel = world_size // self.context_parallel_size
-        if self._data_parallel_size not in ("auto", data_parallel):
-            raise ValueError(
-                f"ContextParallelStrategy(data_parallel_size={self._data_parallel_size}) with context_parallel_size="
-                f"{self.context_parallel_size} does not fill the world size {world_size}: the data-parallel size must "
-                f"be {data_parallel}. Leave it at 'auto'."
-            )
-        return {"data_parallel": data_parallel, "context_parallel": self.context_parallel_size}
-
-    @property
-    @override
-    def fsdp_mesh(self) -> DeviceMesh:
-        """The flattened ``data_parallel x context_parallel`` mesh: the model is sharded over every rank."""
-        if self._fsdp_mesh is None:
-            self._fsdp_mesh = self.device_mesh._flatten("dp_cp")
-        return self._fsdp_mesh
+        return self._parallel_dims(self.context_parallel_size)
 
     @property
     def context_parallel_mesh(self) -> DeviceMesh:
@@ -199,14 +183,13 @@ class ContextParallelStrategy(FSDP2Strategy):
 
             config = causal_lm_config(recipe, getattr(self.lightning_module, "tokenizer", None))
             check_context_parallel(config, self.context_parallel_size, self.method)
-        self._fsdp_mesh = None  # flattened from the mesh this fit builds
         super().setup_environment()
 
     @override
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Check that ``method`` can split this model's heads, then shard it over every rank.
 
-        Context-parallel attention is installed on the model at the first batch (see the module docstring).
+        Context-parallel attention is installed on this model when a stage starts (see the module docstring).
         """
         if self.context_parallel_size > 1:
             check_context_parallel(model.config, self.context_parallel_size, self.method, self.world_size)
@@ -239,25 +222,31 @@ class ContextParallelStrategy(FSDP2Strategy):
         if not self._rows_checked:  # the first batch of each fit and validation run: a data set-up error shows there
             check_same_rows(batch, mesh.get_group(), self.root_device)
             self._rows_checked = True
+        if self._attention is None:
+            raise RuntimeError(
+                "ContextParallelStrategy got a batch before its attention was installed: Lightning installs it when "
+                "a stage starts (on_train_start, on_validation_start, ...); move batches only inside a Trainer run."
+            )
         shard = shard_batch(batch, mesh.get_local_rank(), self.context_parallel_size, self.method, self.pad_token_id)
         self._log_padding(shard.layout)
-        self._installed_attention().set_layout(shard.layout)
+        self._attention.set_layout(shard.layout)
         self._layout = shard.layout
         # Each rank's share of the rows' attention work, for the FLOP/s it logs (its local rows would undercount).
         shard.batch["attention_pairs"] = -(-int(attention_pairs(batch)) // self.context_parallel_size)
         return super().batch_to_device(shard.batch, device, dataloader_idx)
 
-    def _installed_attention(self) -> ContextParallelAttention:
-        if self._attention is None:
-            if self._model_to_split is None:
-                raise RuntimeError(
-                    "ContextParallelStrategy got a batch before a model was sharded with strategy.parallelize(model): "
-                    "build the model in the LightningModule's configure_model and shard it there (CausalLMModule does)."
-                )
-            self._attention = install_attention(
-                self._model_to_split, self.context_parallel_mesh.get_group(), self.method, self.inner, self.ring_backend
+    def _install_attention(self) -> None:
+        """Put context-parallel attention into the model :meth:`parallelize` sharded, once until it is uninstalled."""
+        if self.context_parallel_size == 1 or self._attention is not None:
+            return
+        if self._model_to_split is None:
+            raise RuntimeError(
+                "ContextParallelStrategy has no model to split: none was sharded with strategy.parallelize(model). "
+                "Build the model in the LightningModule's configure_model and shard it there (CausalLMModule does)."
             )
-        return self._attention
+        self._attention = install_attention(
+            self._model_to_split, self.context_parallel_mesh.get_group(), self.method, self.inner, self.ring_backend
+        )
 
     def _log_padding(self, layout: ShardLayout) -> None:
         if layout.padding and not self._padding_logged:
@@ -274,12 +263,24 @@ class ContextParallelStrategy(FSDP2Strategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        self._install_attention()
         self._rows_checked = False
 
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
+        self._install_attention()
         self._rows_checked = False
+
+    @override
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._install_attention()
+
+    @override
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        self._install_attention()
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

@@ -4,8 +4,9 @@ Why a strategy of our own rather than ``ModelParallelStrategy`` as it is: with i
 the mesh is data-parallel 1 x tensor-parallel N, so the sampler gives every rank the same rows and nothing
 is sharded or reduced, silently. Here the data-parallel size is the world size unless said otherwise, tensor
 parallelism is refused before any work, and the FSDP2 options (mixed precision, resharding, host offload)
-are arguments a config can set. The strategy owns the mesh and the sharding options; the LightningModule
-builds its model in ``configure_model`` and hands it to :meth:`FSDP2Strategy.parallelize`
+are arguments a config can set. The strategy owns the mesh (built by
+:class:`~lit_memtrain.parallel.dims.ParallelDims`, which checks the sizes) and the sharding options; the
+LightningModule builds its model in ``configure_model`` and hands it to :meth:`FSDP2Strategy.parallelize`
 (:class:`~lit_memtrain.objectives.causal_lm.CausalLMModule` does; see :mod:`lit_memtrain.parallel.fsdp`).
 
 ``cpu_offload=True`` keeps the fp32 sharded parameters, their gradients and the optimizer state in host
@@ -16,7 +17,6 @@ machine without an accelerator it cannot be (``CPUOffloadPolicy(pin_memory=False
 
 from __future__ import annotations
 
-import math
 import os
 import tempfile
 from datetime import timedelta
@@ -32,62 +32,14 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
 from typing_extensions import override
 
-from lit_memtrain.parallel.fsdp import parallelize
+from lit_memtrain.parallel.dims import ParallelDims
+from lit_memtrain.parallel.fsdp import mixed_precision_policy, parallelize
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["FSDP2Strategy"]
-
-_DTYPE_NAMES = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-}
-_POLICY_FIELDS = ("param_dtype", "reduce_dtype", "output_dtype")
-
-
-def _dtype(value: Any, field: str) -> torch.dtype | None:
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    if value not in _DTYPE_NAMES:
-        raise ValueError(f"mixed_precision {field}={value!r} is not a dtype name; use one of {sorted(_DTYPE_NAMES)}.")
-    return _DTYPE_NAMES[value]
-
-
-def _mixed_precision_policy(value: str | dict[str, Any] | MixedPrecisionPolicy | None) -> MixedPrecisionPolicy | None:
-    """The FSDP2 policy for ``FSDP2Strategy(mixed_precision=...)``.
-
-    A dtype name (``"bf16"``) gathers parameters in that dtype for compute and reduces gradients in fp32; a
-    dict names the policy's fields (``{"param_dtype": "bfloat16", "reduce_dtype": "float32"}``).
-    """
-    if value is None or isinstance(value, MixedPrecisionPolicy):
-        policy = value
-    elif isinstance(value, str):
-        policy = MixedPrecisionPolicy(param_dtype=_dtype(value, "param_dtype"), reduce_dtype=torch.float32)
-    elif isinstance(value, dict):
-        unknown = set(value) - {*_POLICY_FIELDS, "cast_forward_inputs"}
-        if unknown:
-            raise ValueError(
-                f"mixed_precision has unknown fields {sorted(unknown)}; known: {[*_POLICY_FIELDS, 'cast_forward_inputs']}."
-            )
-        dtypes = {field: _dtype(value.get(field), field) for field in _POLICY_FIELDS}
-        policy = MixedPrecisionPolicy(**dtypes, cast_forward_inputs=bool(value.get("cast_forward_inputs", True)))
-    else:
-        raise TypeError(
-            f"mixed_precision must be a dtype name such as 'bf16', a dict of MixedPrecisionPolicy fields, a "
-            f"MixedPrecisionPolicy or None; got {type(value).__name__}."
-        )
-    if policy is not None and torch.float16 in (policy.param_dtype, policy.reduce_dtype):
-        raise ValueError(
-            "mixed_precision with float16 needs loss scaling, which FSDP2Strategy does not provide: use 'bf16'."
-        )
-    return policy
-
 
 class FSDP2Strategy(ModelParallelStrategy):
     """Fully sharded data parallelism (torch FSDP2) of a causal LM, optionally with everything in host memory.
@@ -142,10 +94,7 @@ class FSDP2Strategy(ModelParallelStrategy):
                 "(tensor parallelism) is not supported. Leave it at 1, or use Lightning's ModelParallelStrategy "
                 "with a configure_model of your own for tensor parallelism."
             )
-        if data_parallel_size != "auto" and (
-            isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1
-        ):
-            raise ValueError(f"data_parallel_size must be a positive int or 'auto', got {data_parallel_size!r}.")
+        ParallelDims.check_sizes(data_parallel_size=data_parallel_size)
         for name, value in (("reshard_after_forward", reshard_after_forward), ("cpu_offload", cpu_offload)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be True or False, got {value!r}.")
@@ -158,32 +107,43 @@ class FSDP2Strategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self.mp_policy = _mixed_precision_policy(mixed_precision)
+        self.mp_policy = mixed_precision_policy(mixed_precision)
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
         self.start_method = start_method
+        self._fsdp_mesh: DeviceMesh | None = None
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        """This run's parallel sizes, checked against its world size (devices x nodes).
+
+        Raises:
+            ValueError: the sizes do not fit the world size.
+        """
+        return self._parallel_dims()
+
+    def _parallel_dims(self, context_parallel_size: int = 1) -> ParallelDims:
+        return ParallelDims(
+            self.num_nodes * self.num_processes,
+            context_parallel_size=context_parallel_size,
+            data_parallel_size=self._data_parallel_size,
+            world_size_source=f"{self.num_nodes} node(s) x {self.num_processes} device(s)",
+        )
 
     def mesh_shape(self) -> dict[str, int]:
         """Size of each mesh dimension, outermost first (``{"data_parallel": world size}`` by default).
 
         Raises:
-            ValueError: the sizes do not multiply to the world size.
+            ValueError: the sizes do not fit the world size (see :class:`~lit_memtrain.parallel.dims.ParallelDims`).
         """
-        world_size = self.num_nodes * self.num_processes
-        data_parallel = world_size if self._data_parallel_size == "auto" else self._data_parallel_size
-        if data_parallel != world_size:
-            raise ValueError(
-                f"FSDP2Strategy(data_parallel_size={data_parallel}) does not match the world size {world_size} "
-                f"({self.num_nodes} node(s) x {self.num_processes} device(s)): every rank shards the model, so the "
-                "data-parallel size must equal the world size. Leave it at 'auto'."
-            )
-        return {"data_parallel": data_parallel}
+        return self.parallel_dims.mesh_shape
 
     @property
     def fsdp_mesh(self) -> DeviceMesh:
-        """The 1-D mesh the model is sharded over (and gradients are reduced over)."""
-        mesh = self.device_mesh
-        return mesh if mesh.ndim == 1 else mesh._flatten()
+        """The 1-D mesh the model is sharded over (and gradients are reduced over): every rank."""
+        if self._fsdp_mesh is None:
+            raise RuntimeError("The FSDP2 mesh exists once the processes are set up (setup_environment).")
+        return self._fsdp_mesh
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Shard ``model`` over :attr:`fsdp_mesh` with this strategy's options (see :func:`parallelize`)."""
@@ -215,21 +175,16 @@ class FSDP2Strategy(ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         self._setup_distributed()
-        if self.world_size != math.prod(self.mesh_shape().values()):
+        dims = self.parallel_dims
+        if self.world_size != dims.world_size:
             raise RuntimeError(
-                f"FSDP2Strategy expected {math.prod(self.mesh_shape().values())} processes but the process group "
-                f"has {self.world_size}: check the launcher's --nproc_per_node / --nnodes against the Trainer's "
-                "devices and num_nodes."
+                f"{type(self).__name__} expected {dims.world_size} processes but the process group has "
+                f"{self.world_size}: check the launcher's --nproc_per_node / --nnodes against the Trainer's devices "
+                "and num_nodes."
             )
-        self._device_mesh = self._build_device_mesh()
+        self._device_mesh, self._fsdp_mesh = dims.build_meshes(self.root_device.type)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
-
-    def _build_device_mesh(self) -> DeviceMesh:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        shape = self.mesh_shape()
-        return init_device_mesh(self.root_device.type, tuple(shape.values()), mesh_dim_names=tuple(shape))
 
     @override
     def model_to_device(self) -> None:

@@ -180,18 +180,40 @@ def _causal_sdpa(query: Tensor, key: Tensor, value: Tensor, scaling: float | Non
     )
 
 
+def cu_seq_lens_bounds(cu_seq_lens: Tensor, rows: int, length: int) -> list[int]:
+    """The document bounds of one flattened row, read from a padding-free batch's ``cu_seq_lens_q``, checked.
+
+    ``cu_seq_lens_q`` (as :class:`~lit_memtrain.datamodules.padding_free.PaddingFreeCollator` builds it) holds
+    the start of every document of a single row, then the row's length. Read wrong, documents would attend to
+    each other or be cut, silently; so whoever reads the bounds (this module's attention, the context-parallel
+    sharding) checks them here.
+
+    Args:
+        cu_seq_lens: the document starts and the row length (read with one ``tolist``: keep it on the CPU).
+        rows: rows of the batch it came with (must be 1).
+        length: tokens of that row.
+
+    Returns:
+        The bounds as a list: non-decreasing, from 0 to ``length``.
+
+    Raises:
+        ValueError: the bounds do not rise from 0 to ``length``, or the batch has several rows.
+    """
+    bounds = cu_seq_lens.tolist()
+    if rows != 1 or bounds[0] != 0 or bounds[-1] != length or any(b < a for a, b in pairwise(bounds)):
+        raise ValueError(
+            f"cu_seq_lens_q must rise from 0 to {length} over one flattened row of {length} tokens, got "
+            f"{bounds[:4]}...{bounds[-1:]} for a batch of {rows} row(s); build padding-free batches with "
+            "PaddingFreeCollator."
+        )
+    return bounds
+
+
 def _document_bounds(query: Tensor, document_ids: Tensor | None, cu_seq_lens: Tensor | None) -> list[list[int]]:
     """Per row, the token offsets where its documents start, followed by the row length."""
     batch, length = query.shape[0], query.shape[2]
     if cu_seq_lens is not None:
-        bounds = cu_seq_lens.tolist()
-        if batch != 1 or bounds[0] != 0 or bounds[-1] != length or any(b < a for a, b in pairwise(bounds)):
-            raise ValueError(
-                f"cu_seq_lens_q must rise from 0 to {length} over one flattened row of {length} tokens, got "
-                f"{bounds[:4]}...{bounds[-1:]} for a batch of {batch} row(s); build padding-free batches with "
-                "PaddingFreeCollator."
-            )
-        return [bounds]
+        return [cu_seq_lens_bounds(cu_seq_lens, batch, length)]
     if document_ids is None:
         return [[0, length]] * batch
     ids = document_ids.reshape(batch, length)
@@ -257,6 +279,34 @@ def _causal_over_whole_rows(attention_mask: Tensor | None, kwargs: dict[str, Any
 FLASH_ATTN_MAX_HEAD_DIM = 256  # flash-attn 2's kernels stop at head dimension 256
 
 
+def _flash_attn_installed() -> bool:
+    # Looked up at each call (no import, no cache): tests and environments change what is installed.
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def check_flash_attn(value: str | None, argument: str = "attn_implementation", alternative: str = "sdpa") -> None:
+    """Raise ``ValueError`` when ``value`` names flash-attn's kernels and the flash-attn package is not installed.
+
+    Why up front: transformers (and our context-parallel attention) import flash-attn only at the first
+    forward, on every rank, after the model is built; checking where the setting is read makes a config fail
+    when it is parsed, naming the extra to install or the kernel to use instead. Every place that takes a
+    flash-attn kernel by name calls this (``CausalLMModule``'s ``attn_implementation``, Ulysses' ``inner``).
+
+    Args:
+        value: the kernel asked for; names starting with ``flash_attention`` need the package.
+        argument: the setting's name, for the message.
+        alternative: the value to suggest instead.
+
+    Example:
+        >>> check_flash_attn("sdpa_by_document")  # not a flash-attn kernel: nothing to check
+    """
+    if value is not None and value.startswith("flash_attention") and not _flash_attn_installed():
+        raise ValueError(
+            f"{argument}={value!r} needs the flash-attn package (CUDA only), which is not installed: pip install "
+            f"'lit-memtrain[flash]', or use {argument}={alternative!r}."
+        )
+
+
 def attention_head_dim(config: Any) -> int:
     """The head dimension of a transformers config: ``head_dim`` where the model sets it, else hidden / heads."""
     head_dim = getattr(config, "head_dim", None)
@@ -278,7 +328,7 @@ def choose_document_attention(model: torch.nn.Module, device: torch.device, half
     if not getattr(model, "_supports_sdpa", False):
         return "eager"
     if device.type == "cuda":
-        flash_attn = importlib.util.find_spec("flash_attn") is not None
+        flash_attn = _flash_attn_installed()
         fits_flash = attention_head_dim(model.config) <= FLASH_ATTN_MAX_HEAD_DIM
         if half_precision and flash_attn and fits_flash and getattr(model, "_supports_flash_attn", False):
             return "flash_attention_2"

@@ -18,15 +18,15 @@ import contextlib
 import torch
 from torch import Tensor
 
+from lit_memtrain.datamodules.batch import IGNORE_INDEX
 from lit_memtrain.techniques.autocast import active_autocast_dtype
-from lit_memtrain.techniques.loss import (
-    IGNORE_INDEX,
-    _accumulate_linear_grads,
-    _chunk_logits,
-    _linear_output_grad,
-    _validate_softcap,
-    _validate_targets,
+from lit_memtrain.techniques.lm_head import (
+    accumulate_linear_grads,
+    chunk_logits,
+    linear_output_grad,
     transform_logits,
+    validate_logit_transform,
+    validate_targets,
 )
 
 __all__ = ["chunked_token_log_probs", "token_log_probs"]
@@ -42,8 +42,8 @@ def token_log_probs(logits: Tensor, targets: Tensor, softcap: float | None = Non
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be 2-D [N, V], got shape {tuple(logits.shape)}. Flatten batch and sequence.")
-    _validate_targets(targets, logits.shape[0])
-    _validate_softcap(softcap, scale)
+    validate_targets(targets, logits.shape[0])
+    validate_logit_transform(softcap, scale)
     logits = transform_logits(logits.float(), softcap, scale)
     keep = targets != IGNORE_INDEX
     picked = logits.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1) - torch.logsumexp(logits, dim=1)
@@ -58,7 +58,7 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
         logps, lses = [], []
         for start in range(0, kept_rows.shape[0], chunk_size):
             rows = kept_rows[start : start + chunk_size]
-            logits = _chunk_logits(hidden.index_select(0, rows), weight, bias, softcap, scale)
+            logits = chunk_logits(hidden.index_select(0, rows), weight, bias, softcap, scale)
             lse = torch.logsumexp(logits, dim=1)
             logps.append(logits.gather(1, kept_targets[start : start + chunk_size].unsqueeze(1)).squeeze(1) - lse)
             lses.append(lse)
@@ -78,14 +78,14 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
             rows = kept_rows[start : start + size]
             grad = grad_logps[start : start + size].float()
             hidden_rows = hidden.index_select(0, rows)
-            logits = _chunk_logits(hidden_rows, weight, bias, softcap, scale)
+            logits = chunk_logits(hidden_rows, weight, bias, softcap, scale)
             # d log p_t / d z = onehot(t) - softmax(z), times each row's incoming gradient.
             grad_logits = torch.exp(logits - lse[start : start + size].unsqueeze(1)).mul_(-grad.unsqueeze(1))
             grad_logits[torch.arange(rows.shape[0], device=rows.device), kept_targets[start : start + size]] += grad
-            _linear_output_grad(grad_logits, logits, softcap, scale, grad_bias)
+            linear_output_grad(grad_logits, logits, softcap, scale, grad_bias)
             del logits
             grad_logits = grad_logits.to(hidden.dtype)
-            _accumulate_linear_grads(grad_logits, rows, hidden_rows, weight, grad_hidden, grad_weight)
+            accumulate_linear_grads(grad_logits, rows, hidden_rows, weight, grad_hidden, grad_weight)
         return (
             grad_hidden,
             None if grad_weight is None else grad_weight.to(weight.dtype),
@@ -126,8 +126,8 @@ def chunked_token_log_probs(
         raise ValueError(
             f"hidden must be [N, H] and weight [V, H], got {tuple(hidden.shape)} and {tuple(weight.shape)}."
         )
-    _validate_targets(targets, hidden.shape[0])
-    _validate_softcap(softcap, scale)
+    validate_targets(targets, hidden.shape[0])
+    validate_logit_transform(softcap, scale)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}.")
     device_type = hidden.device.type

@@ -28,8 +28,16 @@ from torch import Tensor
 
 from lit_memtrain.datamodules.batch import IGNORE_INDEX
 from lit_memtrain.techniques.autocast import active_autocast_dtype
+from lit_memtrain.techniques.lm_head import (
+    accumulate_linear_grads,
+    chunk_logits,
+    linear_output_grad,
+    transform_logits,
+    validate_logit_transform,
+    validate_targets,
+)
 
-__all__ = ["chunked_cross_entropy", "cross_entropy", "transform_logits"]
+__all__ = ["chunked_cross_entropy", "chunked_token_losses", "cross_entropy"]
 
 
 def _validate_num_items(num_items: int | Tensor | None) -> None:
@@ -43,23 +51,6 @@ def _validate_num_items(num_items: int | Tensor | None) -> None:
         raise TypeError(f"num_items must be an int, a scalar tensor or None, got {type(num_items).__name__}.")
     if num_items < 0:
         raise ValueError(f"num_items must be >= 0 (trainable tokens in the step), got {num_items}.")
-
-
-def _validate_softcap(softcap: float | None, scale: float) -> None:
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be a positive number or None, got {softcap}.")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-        raise ValueError(f"scale must be a positive number, got {scale!r}.")
-
-
-def _validate_targets(targets: Tensor, rows: int) -> None:
-    if targets.dim() != 1 or targets.shape[0] != rows:
-        raise ValueError(
-            f"targets must have shape [{rows}] (one per row), got {tuple(targets.shape)}. "
-            "Flatten batch and sequence dimensions first."
-        )
-    if targets.dtype != torch.long:
-        raise TypeError(f"targets must be torch.long, got {targets.dtype}.")
 
 
 def _normalise(loss_sum: Tensor, num_items: int | Tensor | None, local_count: int | Tensor) -> Tensor:
@@ -91,66 +82,12 @@ def cross_entropy(
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be 2-D [N, V], got shape {tuple(logits.shape)}. Flatten batch and sequence.")
-    _validate_targets(targets, logits.shape[0])
+    validate_targets(targets, logits.shape[0])
     _validate_num_items(num_items)
-    _validate_softcap(softcap, scale)
+    validate_logit_transform(softcap, scale)
     logits = transform_logits(logits.float(), softcap, scale)
     loss_sum = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
     return _normalise(loss_sum, num_items, (targets != IGNORE_INDEX).sum())
-
-
-def transform_logits(logits: Tensor, softcap: float | None = None, scale: float = 1.0) -> Tensor:
-    """What a model does to its LM head's output: ``softcap * tanh(scale * logits / softcap)``, or
-    ``scale * logits`` without a cap."""
-    if scale != 1:
-        logits = logits * scale
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
-    return logits
-
-
-def _chunk_logits(
-    hidden_rows: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None, scale: float
-) -> Tensor:
-    """fp32 logits of some rows, scaled and capped."""
-    return transform_logits(F.linear(hidden_rows, weight, bias).float(), softcap, scale)
-
-
-def _linear_output_grad(
-    grad_logits: Tensor, logits: Tensor, softcap: float | None, scale: float, grad_bias: Tensor | None
-) -> None:
-    """Turn the fp32 gradient w.r.t. :func:`_chunk_logits`' capped, scaled logits into the gradient w.r.t. the
-    linear output, in place, and add its column sums to ``grad_bias`` (None: not needed).
-
-    Shared by the chunked loss and the chunked log-probabilities so both differentiate the same transform.
-    """
-    if softcap is not None:
-        # d(softcap * tanh(z / softcap)) / dz = 1 - tanh^2, with tanh = capped / softcap.
-        grad_logits *= 1 - (logits / softcap).square()
-    if scale != 1:
-        grad_logits *= scale
-    if grad_bias is not None:
-        grad_bias += grad_logits.sum(dim=0)
-
-
-def _accumulate_linear_grads(
-    grad_out: Tensor,
-    rows: Tensor,
-    hidden_rows: Tensor,
-    weight: Tensor,
-    grad_hidden: Tensor | None,
-    grad_weight: Tensor | None,
-) -> None:
-    """Add one chunk's gradients of ``hidden @ weight.T`` to the accumulators (None: not needed), given the
-    gradient ``grad_out`` w.r.t. that chunk's linear output in the dtype of ``hidden_rows``. An fp32 weight
-    gradient accumulates in place (``addmm_``): no [V, H] temporary per chunk."""
-    if grad_hidden is not None:
-        grad_hidden.index_copy_(0, rows, grad_out @ weight)
-    if grad_weight is not None:
-        if hidden_rows.dtype == torch.float32:
-            grad_weight.addmm_(grad_out.t(), hidden_rows)
-        else:
-            grad_weight += grad_out.t() @ hidden_rows
 
 
 class _ChunkedCrossEntropySum(torch.autograd.Function):
@@ -188,17 +125,17 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
             rows = kept_rows[start : start + chunk_size]
             chunk_targets = kept_targets[start : start + chunk_size]
             hidden_rows = hidden.index_select(0, rows)
-            logits = _chunk_logits(hidden_rows, weight, bias, softcap, scale)
+            logits = chunk_logits(hidden_rows, weight, bias, softcap, scale)
             lse = torch.logsumexp(logits, dim=1)
             loss_sum += (lse - logits.gather(1, chunk_targets.unsqueeze(1)).squeeze(1)).sum()
             if not any(needs_grad):
                 continue
             grad_logits = torch.exp(logits - lse.unsqueeze(1))
             grad_logits[torch.arange(rows.shape[0], device=rows.device), chunk_targets] -= 1
-            _linear_output_grad(grad_logits, logits, softcap, scale, grad_bias)
+            linear_output_grad(grad_logits, logits, softcap, scale, grad_bias)
             del logits
             grad_logits = grad_logits.to(hidden.dtype)
-            _accumulate_linear_grads(grad_logits, rows, hidden_rows, weight, grad_hidden, grad_weight)
+            accumulate_linear_grads(grad_logits, rows, hidden_rows, weight, grad_hidden, grad_weight)
         # Held on ctx, not saved for backward: they are results, not inputs, and backward takes them over.
         ctx.gradients = (
             grad_hidden,
@@ -276,9 +213,9 @@ def chunked_cross_entropy(
             f"bias must have shape [{weight.shape[0]}] and dtype {weight.dtype}, "
             f"got {tuple(bias.shape)} {bias.dtype}."
         )
-    _validate_targets(targets, hidden.shape[0])
+    validate_targets(targets, hidden.shape[0])
     _validate_num_items(num_items)
-    _validate_softcap(softcap, scale)
+    validate_logit_transform(softcap, scale)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}.")
     kept_rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)
@@ -297,3 +234,34 @@ def chunked_cross_entropy(
             hidden, weight, bias, kept_rows, targets.index_select(0, kept_rows), chunk_size, softcap, scale, needs_grad
         )
     return _normalise(loss_sum, num_items, kept_rows.shape[0])
+
+
+@torch.no_grad()
+def chunked_token_losses(
+    hidden: Tensor,
+    weight: Tensor | None,
+    targets: Tensor,
+    chunk_size: int = 1024,
+    softcap: float | None = None,
+    bias: Tensor | None = None,
+    scale: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """Each target's loss and whether the argmax predicts it, without gradients, ``chunk_size`` rows at a time.
+
+    What validation needs per token (the positional-loss diagnostic, token accuracy). ``hidden`` ``[N, H]`` holds
+    only the rows to score (their targets are ``targets`` ``[N]``, none ignored); with ``weight=None`` it holds the
+    logits themselves (a model's own head, ``loss_type="nll"``).
+    """
+    losses, correct = [], []
+    for start in range(0, hidden.shape[0], chunk_size):
+        rows = hidden[start : start + chunk_size]
+        logits = transform_logits(rows.float(), softcap, scale) if weight is None else chunk_logits(
+            rows, weight, bias, softcap, scale
+        )
+        chunk_targets = targets[start : start + chunk_size]
+        losses.append(F.cross_entropy(logits, chunk_targets, reduction="none"))
+        correct.append(logits.argmax(-1) == chunk_targets)
+    if not losses:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, empty.bool()
+    return torch.cat(losses), torch.cat(correct)

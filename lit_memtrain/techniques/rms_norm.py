@@ -20,11 +20,16 @@ sums it in the gradient's dtype), within the gradient dtype's rounding of autogr
 a 1-D ``weight``, and a probe comparing the module's own output with the chunked one on a few tokens, in fp32
 and in the weight's dtype, for equality. Others (Gemma's ``1 + weight``, a weight applied in fp32) are left as
 they are and named.
+
+Two hooks serve the memory planner (:mod:`lit_memtrain.planner.simulate`), which runs this code on fake tensors:
+:func:`selected_chunks` runs only some chunks (each frees its temporaries before the next, so a few give the peak
+of all), and :func:`probed_with` replaces the probe (it compares values, which fake tensors have none of).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -37,16 +42,38 @@ __all__ = [
     "apply_chunked_rms_norm",
     "chunked_rms_norm",
     "probe_rms_norm",
+    "probed_with",
+    "selected_chunks",
     "validate_chunk_elements",
 ]
 
 DEFAULT_CHUNK_ELEMENTS = 2**24  # 64 MiB per fp32 temporary: thousands of tokens per chunk, few kernel launches
 _MARKER = "_lit_memtrain_chunked_rms_norm"
 _PROBE_TOKENS = 8
+_select: Callable[[list[tuple[int, int]]], list[tuple[int, int]]] | None = None
+
+
+@contextlib.contextmanager
+def selected_chunks(select: Callable[[list[tuple[int, int]]], list[tuple[int, int]]]) -> Iterator[None]:
+    """Run only the chunks ``select`` keeps of each chunked norm's ``[start, end)`` row bounds (forward and backward),
+    while the context is open.
+
+    For simulating memory on fake tensors (what :func:`lit_memtrain.planner.simulate.tiles_simulated_once` does):
+    each chunk frees its temporaries before the next, and the output and the weight's fp32 gradient exist before the
+    first, so the first three chunks and the last give the peak of all. On real tensors the chunks left out leave
+    their rows of the output and of the gradients unwritten: never train inside this context.
+    """
+    global _select
+    previous, _select = _select, select
+    try:
+        yield
+    finally:
+        _select = previous
 
 
 def _chunk_bounds(rows: int, rows_per_chunk: int) -> list[tuple[int, int]]:
-    return [(start, min(start + rows_per_chunk, rows)) for start in range(0, rows, rows_per_chunk)]
+    bounds = [(start, min(start + rows_per_chunk, rows)) for start in range(0, rows, rows_per_chunk)]
+    return bounds if _select is None else _select(bounds)
 
 
 class _ChunkedRMSNorm(torch.autograd.Function):
@@ -128,13 +155,32 @@ def probe_rms_norm(norm: nn.Module) -> str | None:
     return None
 
 
+_probe: Callable[[nn.Module], str | None] = probe_rms_norm
+
+
+@contextlib.contextmanager
+def probed_with(probe: Callable[[nn.Module], str | None]) -> Iterator[None]:
+    """Have :func:`apply_chunked_rms_norm` ask ``probe`` (with :func:`probe_rms_norm`'s contract: why the norm cannot
+    be replaced, or ``None``) instead of :func:`probe_rms_norm`, while the context is open.
+
+    For the memory planner, whose model has fake weights: its probe runs :func:`probe_rms_norm` on real tensors, so a
+    plan replaces the same norms as the run.
+    """
+    global _probe
+    previous, _probe = _probe, probe
+    try:
+        yield
+    finally:
+        _probe = previous
+
+
 def apply_chunked_rms_norm(
     modules: Iterable[nn.Module], chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
 ) -> tuple[Callable[[], None], dict[str, str]]:
     """Run every RMSNorm among ``modules`` (classes named ``*RMSNorm``) through :func:`chunked_rms_norm`.
 
-    Each class is probed once (:func:`probe_rms_norm`); norms of a class the probe cannot prove equal keep
-    their own forward.
+    Each class is probed once (:func:`probe_rms_norm`, or the probe :func:`probed_with` gives); norms of a class
+    the probe cannot prove equal keep their own forward.
 
     Returns:
         A function that restores the original forwards, and the classes left as they are with the reason.
@@ -160,11 +206,6 @@ def apply_chunked_rms_norm(
             norms.append(module)
     restore = wrap_forwards(norms, lambda norm, forward: _chunked_forward(norm, chunk_elements))
     return restore, {kind.__name__: reason for kind, reason in verdicts.items() if reason is not None}
-
-
-def _probe(norm: nn.Module) -> str | None:
-    """The probe (a module attribute so the planner, whose weights have no values, can stand in for it)."""
-    return probe_rms_norm(norm)
 
 
 def validate_chunk_elements(chunk_elements: int) -> None:

@@ -26,6 +26,9 @@ Parameter gradients are summed over tiles in the parameters' dtype and returned 
 (not accumulated into ``.grad`` per tile), so gradient hooks (FSDP2, DDP) fire once per step. The
 parameters are collected at each call from ``mlp.parameters()`` (those requiring grad), so LoRA adapters
 inside the MLP and FSDP2's unsharded parameters are included.
+
+:func:`selected_tiles` runs only some of the tiles: the memory planner's hook (:mod:`lit_memtrain.planner.simulate`),
+whose fake tensors repeat from the third tile on, so a few tiles give the peak of all.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -42,10 +45,11 @@ from torch import Tensor, nn
 from lit_memtrain.techniques.autocast import active_autocast_dtype
 from lit_memtrain.models.layers import wrap_forwards
 
-__all__ = ["apply_tiled_mlp", "mlp_tiles", "validate_num_tiles"]
+__all__ = ["apply_tiled_mlp", "mlp_tiles", "selected_tiles", "validate_num_tiles"]
 
 _MIN_TILE_TOKENS = 1024
 _MARKER = "_lit_memtrain_tiled"
+_select: Callable[[list[tuple[int, int]]], list[tuple[int, int]]] | None = None
 
 
 def mlp_tiles(seq_len: int, hidden_size: int) -> int:
@@ -59,10 +63,32 @@ def validate_num_tiles(num_tiles: int | None) -> None:
         raise ValueError(f"num_tiles must be a positive int, or None to choose from the sequence; got {num_tiles!r}.")
 
 
+@contextlib.contextmanager
+def selected_tiles(select: Callable[[list[tuple[int, int]]], list[tuple[int, int]]]) -> Iterator[None]:
+    """Run only the tiles ``select`` keeps of each tiled call's ``[start, end)`` bounds, while the context is open.
+
+    For simulating memory on fake tensors (what :func:`lit_memtrain.planner.simulate.tiles_simulated_once` does):
+    from the third tile on each tile holds the same tensors as the third, so the first three and the last give the
+    peak of all at a fraction of the operations. On real tensors the tiles left out leave their part of the output
+    and of the input's gradient unwritten: never train inside this context.
+
+    Example:
+        >>> with selected_tiles(lambda bounds: bounds[:2]):  # doctest: +SKIP
+        ...     loss.backward()
+    """
+    global _select
+    previous, _select = _select, select
+    try:
+        yield
+    finally:
+        _select = previous
+
+
 def _tile_bounds(length: int, num_tiles: int) -> list[tuple[int, int]]:
     num_tiles = min(num_tiles, length)
     size = math.ceil(length / num_tiles)
-    return [(start, min(start + size, length)) for start in range(0, length, size)]
+    bounds = [(start, min(start + size, length)) for start in range(0, length, size)]
+    return bounds if _select is None else _select(bounds)
 
 
 class _TiledFunction(torch.autograd.Function):

@@ -27,10 +27,17 @@ class RecordingModule(CausalLMModule):
         super().configure_model()
 
 
-def _fit(check: MemoryPlanCheck) -> RecordingModule:
+class OwnLoss(RecordingModule):
+    """Trains with a loss of its own, which the planner cannot know."""
+
+    def compute_loss(self, batch, num_items=None):
+        return 2 * super().compute_loss(batch, num_items)
+
+
+def _fit(check: MemoryPlanCheck, module_class: type[RecordingModule] = RecordingModule) -> RecordingModule:
     # The plain loss without checkpointing at 8,192 tokens needs ~70 MiB; with checkpointing ~30 MiB.
-    module = RecordingModule(check, preset="tiny-qwen3", config_overrides=TINY, loss_type="nll",
-                             tokenizer="lit-memtrain/embedded")  # fmt: skip
+    module = module_class(check, preset="tiny-qwen3", config_overrides=TINY, loss_type="nll",
+                          tokenizer="lit-memtrain/embedded")  # fmt: skip
     trainer = Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, callbacks=[check])  # fmt: skip
     trainer.fit(module, datamodule=SFTDataModule(max_length=8192, batch_size=1))
@@ -55,6 +62,15 @@ def test_stop_raises_before_the_model_is_built():
     with pytest.raises(RuntimeError, match="MemoryPlanCheck stopped the fit before the model was built"):
         module = _fit(check)
     assert check.plan is not None and not check.plan["fits"]
+
+
+def test_a_fit_the_planner_refuses_is_skipped_with_its_reason():
+    """The planner (a child process, which imports this module's classes as the fit does) refuses a module that
+    overrides the step; the callback says why and the fit goes on."""
+    check = MemoryPlanCheck(gpu_memory_gib=0.06, stop=True)
+    with pytest.warns(UserWarning, match="MemoryPlanCheck cannot plan this fit, skipped: model.class_path is .*OwnLoss"):
+        module = _fit(check, OwnLoss)
+    assert check.plan is None and module.model is not None
 
 
 def test_skipped_without_a_gpu_size_on_the_cpu():

@@ -1,5 +1,6 @@
 """Tiled MLP: the plain model's loss and gradients (alone, with checkpointing and the chunked loss, with LoRA
-inside the MLP), only the MLP input saved, the tile count rule and the errors."""
+inside the MLP), only the MLP input saved, the tile count rule, the errors, and the planner's hook choosing the tiles
+that run."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from lit_memtrain.techniques.checkpointing import apply_checkpointing
 from lit_memtrain.models.layers import find_decoder_layers
 from lit_memtrain.techniques.loss import chunked_cross_entropy, cross_entropy
 from lit_memtrain.models.presets import build_config
-from lit_memtrain.techniques.tiled_mlp import apply_tiled_mlp, mlp_tiles
+from lit_memtrain.techniques.tiled_mlp import apply_tiled_mlp, mlp_tiles, selected_tiles
 
 PRESETS = ["tiny-qwen3", "tiny-llama"]
 
@@ -143,6 +144,27 @@ def test_only_the_mlp_input_is_saved():
     plain, tiled = counts
     assert len(plain) >= 4  # x, gate, act(gate), up... for the plain MLP
     assert len(tiled) == 1 and tiled[0] is x
+
+
+def test_selected_tiles_run_only_the_tiles_kept():
+    model = _model("tiny-qwen3")
+    mlp = find_decoder_layers(model)[0].mlp
+    x = torch.randn(1, 40, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    expected = mlp(x)
+    apply_tiled_mlp(find_decoder_layers(model), 4)
+    seen = []
+
+    def last_two(bounds):
+        seen.append(bounds)
+        return bounds[-2:]
+
+    with torch.no_grad(), selected_tiles(last_two):
+        out = mlp(x)
+    assert seen == [[(0, 10), (10, 20), (20, 30), (30, 40)]]
+    torch.testing.assert_close(out[:, 20:], expected[:, 20:], rtol=1e-4, atol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(mlp(x), expected, rtol=1e-4, atol=1e-6)  # every tile once the context is closed
+    assert len(seen) == 1
 
 
 def test_tile_count_rule():

@@ -11,7 +11,8 @@ import pytest
 import torch
 from datasets import Dataset
 
-from lit_memtrain.datamodules.packing import STRATEGIES, pack_dataset, plan_packing
+from lit_memtrain.datamodules.packing import pack_dataset
+from lit_memtrain.datamodules.packing_plan import STRATEGIES, plan_packing
 
 
 def reference_bfd(sizes: list[int], capacity: int) -> list[int]:
@@ -363,7 +364,7 @@ def test_non_nullable_items_and_chunks_read_in_place(strategy: str) -> None:
 
 
 def test_rows_are_split_into_chunks_that_32_bit_offsets_can_address() -> None:
-    from lit_memtrain.datamodules.packing import _split_into_list_chunks
+    from lit_memtrain.datamodules.table_packing import _split_into_list_chunks
 
     flat = pa.array(np.arange(10, dtype=np.int32))
     row_offsets = np.array([0, 3, 4, 8, 10])
@@ -377,7 +378,7 @@ def test_no_garbage_collection_runs_while_a_table_is_packed(strategy: str) -> No
     import gc
     import sys
 
-    from lit_memtrain.datamodules.packing import pack_table
+    from lit_memtrain.datamodules.table_packing import pack_table
 
     lengths = lognormal_lengths(3000, seed=4)
     offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
@@ -423,11 +424,11 @@ def test_a_plan_keeps_its_own_arrays(strategy: str) -> None:
 
 
 def test_list_lengths_of_every_list_type() -> None:
-    from lit_memtrain.datamodules.packing import _list_lengths
+    from lit_memtrain.datamodules.arrow_lists import list_lengths
 
     rows = [[1], [2, 3], None, []]
     for list_type in (pa.list_(pa.int32()), pa.large_list(pa.int32()), pa.list_view(pa.int32())):
         column = pa.chunked_array([pa.array(rows, list_type), pa.array([[4, 5, 6]], list_type)])
-        assert _list_lengths(column).tolist() == [1, 2, 0, 0, 3]
+        assert list_lengths(column).tolist() == [1, 2, 0, 0, 3]
     fixed = pa.chunked_array([pa.array([[1, 2], [3, 4]], pa.list_(pa.int32(), 2))])
-    assert _list_lengths(fixed).tolist() == [2, 2]
+    assert list_lengths(fixed).tolist() == [2, 2]

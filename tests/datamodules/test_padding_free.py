@@ -19,7 +19,7 @@ def assert_batch(batch: dict, input_ids, labels, position_ids, cu_seq_lens, max_
         assert batch[key].tolist() == cu_seq_lens
     assert batch["max_length_q"] == batch["max_length_k"] == max_length
     assert type(batch["max_length_q"]) is int
-    assert batch["num_trainable_tokens"] == trainable
+    assert int((batch["labels"] != -100).sum()) == trainable
     assert batch["num_tokens"] == real
     assert batch["input_ids"].dtype == batch["labels"].dtype == batch["position_ids"].dtype == torch.long
 

@@ -62,7 +62,7 @@ def test_a_missing_llvmlite_is_raised_by_the_packing_call_not_lost_in_the_compil
     code = (
         "import sys; sys.modules['llvmlite'] = None\n"
         "import pyarrow as pa\n"
-        "from lit_memtrain.datamodules.packing import pack_table\n"
+        "from lit_memtrain.datamodules.table_packing import pack_table\n"
         "table = pa.table({'input_ids': pa.array([[1, 2, 3], [4, 5]])})\n"
         "try:\n"
         "    pack_table(table, 4, 'bfd')\n"

@@ -128,7 +128,7 @@ def test_an_unnamed_multiplier_is_measured_and_applied():
     chunked = _custom_module(lambda logits: logits * 2.5)
     plain = _custom_module(lambda logits: logits * 2.5, loss_type="nll")
     torch.testing.assert_close(chunked.compute_loss(batch), plain.compute_loss(batch), rtol=1e-5, atol=1e-6)
-    assert chunked._logit_transform.scale == pytest.approx(2.5, rel=1e-6)
+    assert chunked.setup_probes.logit_transform.scale == pytest.approx(2.5, rel=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -159,10 +159,10 @@ def test_the_probe_runs_once_at_fit_start(tmp_path, monkeypatch):
     from lightning.pytorch import Trainer
     from torch.utils.data import DataLoader
 
-    import lit_memtrain.objectives.causal_lm as module_file
+    import lit_memtrain.objectives.probes as probes_file
 
     calls = []
-    monkeypatch.setattr(module_file, "probe_logit_transform", lambda model: calls.append(model) or LogitTransform())
+    monkeypatch.setattr(probes_file, "probe_logit_transform", lambda model: calls.append(model) or LogitTransform())
     module = CausalLMModule(preset="tiny-qwen3")
     loader = DataLoader([_batch()] * 2, batch_size=None)
     trainer = Trainer(max_steps=2, logger=False, enable_progress_bar=False, enable_checkpointing=False, default_root_dir=tmp_path)

@@ -280,17 +280,16 @@ def test_the_logged_token_count_stays_exact_past_float32_integers(tmp_path):
 
 def test_token_counts_go_through_the_strategy_where_torch_distributed_is_not_initialised():
     """XLA's strategy has several ranks but no torch.distributed process group: its own reduce sums the counts."""
-    from types import SimpleNamespace
+    from lit_memtrain.objectives.throughput import summed_over_ranks
 
     class DoublingStrategy:
         def reduce(self, value: torch.Tensor, reduce_op: str) -> torch.Tensor:
             assert reduce_op == "sum"
             return value * 2
 
-    module = CausalLMModule(preset="tiny-qwen3")
-    module._trainer = SimpleNamespace(world_size=2, strategy=DoublingStrategy())
+    reduce, cpu = DoublingStrategy().reduce, torch.device("cpu")
     assert not torch.distributed.is_initialized()
-    assert int(module._summed_over_ranks(5)) == int(module._summed_over_ranks(torch.tensor(5))) == 10
+    assert int(summed_over_ranks(5, 2, cpu, reduce)) == int(summed_over_ranks(torch.tensor(5), 2, cpu, reduce)) == 10
 
 
 def _accumulation_run(tmp_path, callbacks=(), **trainer_options):

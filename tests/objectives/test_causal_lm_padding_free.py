@@ -30,7 +30,7 @@ def test_padding_free_loss_and_gradients_equal_per_document_runs(attn, loss_type
     loss.backward()
     packed_grads = [p.grad.clone() for p in module.model.parameters()]
     module.zero_grad()
-    total = flat["num_trainable_tokens"]
+    total = module.count_trainable_targets(flat)
     per_doc = sum(module.compute_loss(PaddedCollator(0)([doc]), num_items=total) for doc in DOCS)
     per_doc.backward()
     torch.testing.assert_close(loss, per_doc, rtol=1e-5, atol=1e-6)
@@ -63,11 +63,11 @@ def test_attention_that_ignores_position_restarts_is_refused_by_the_setup_probe(
 def test_a_new_implementation_that_keeps_documents_apart_is_probed_once_and_trains(tmp_path, monkeypatch):
     from lightning.pytorch import Trainer
 
-    import lit_memtrain.objectives.causal_lm as module_file
+    import lit_memtrain.objectives.probes as probes_file
 
     probed = []
-    probe = module_file.probe_document_isolation
-    monkeypatch.setattr(module_file, "probe_document_isolation", lambda *args: probed.append(args[2]) or probe(*args))
+    probe = probes_file.probe_document_isolation
+    monkeypatch.setattr(probes_file, "probe_document_isolation", lambda *args: probed.append(args[2]) or probe(*args))
     module = CausalLMModule(preset="tiny-qwen3", tokenizer="lit-memtrain/embedded", attn_implementation="keeps_documents_apart")
     trainer = Trainer(max_steps=3, logger=False, enable_progress_bar=False, enable_checkpointing=False, default_root_dir=tmp_path)
     trainer.fit(module, datamodule=SFTDataModule(max_length=40, packing=True, batch_size=2))
@@ -87,9 +87,9 @@ def test_a_packed_fit_with_a_leaking_implementation_stops_before_training(tmp_pa
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager", "sdpa_by_document"])
 def test_implementations_proven_by_tests_skip_the_probe(attn, monkeypatch):
-    import lit_memtrain.objectives.causal_lm as module_file
+    import lit_memtrain.objectives.probes as probes_file
 
-    monkeypatch.setattr(module_file, "probe_document_isolation", lambda *args: pytest.fail("probed"))
+    monkeypatch.setattr(probes_file, "probe_document_isolation", lambda *args: pytest.fail("probed"))
     module = CausalLMModule(preset="tiny-qwen3", attn_implementation=attn)
     module.configure_model()
     module.compute_loss(PaddingFreeCollator(pad_token_id=0)(DOCS))

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
-import lit_memtrain.objectives.causal_lm as module_file
+import lit_memtrain.objectives.throughput as throughput_file
 from lit_memtrain.datamodules.collate import PaddedCollator
 from lit_memtrain.datamodules.padding_free import PaddingFreeCollator
 from lit_memtrain.objectives.causal_lm import CausalLMModule
@@ -76,7 +76,7 @@ def _fit(
 
 def test_throughput_is_measured_every_log_every_n_steps_with_one_sync_each(tmp_path, monkeypatch):
     syncs = []
-    monkeypatch.setattr(module_file, "_synchronize", lambda device: syncs.append(device))
+    monkeypatch.setattr(throughput_file, "_synchronize", lambda device: syncs.append(device))
     module, rows = _fit(tmp_path, max_steps=5, every=2)
     assert len(syncs) == 1 + 3  # at the start, then after steps 2, 4 and the last (5)
     assert module.train_tokens_seen == 5 * (16 + 10)
@@ -89,7 +89,7 @@ def test_throughput_is_measured_every_log_every_n_steps_with_one_sync_each(tmp_p
 
 
 def test_mfu_is_model_flops_per_second_over_the_devices_peak(tmp_path, monkeypatch):
-    monkeypatch.setattr(module_file, "peak_flops", lambda device, dtype: 1e9)
+    monkeypatch.setattr(throughput_file, "peak_flops", lambda device, dtype: 1e9)
     _, rows = _fit(tmp_path, max_steps=2, every=1)
     row = [row for row in rows if row.get("train/device/mfu")][-1]
     assert float(row["train/device/mfu"]) == pytest.approx(float(row["train/device/flops_per_sec"]) / 1e9)

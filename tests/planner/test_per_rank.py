@@ -204,24 +204,24 @@ def test_bad_context_parallel_sizes_are_refused_clearly():
 
 
 def test_a_live_fsdp2_strategy_is_planned_with_its_options():
-    """What MemoryPlanCheck reads from the Trainer's strategy (settings_from_trainer)."""
-    from lit_memtrain.planner.fit_config import _live_strategy
+    """What MemoryPlanCheck reads from the Trainer's strategy (its description of the fit's config)."""
+    from lit_memtrain.callbacks.live_fit import strategy_config
     from lit_memtrain.strategies import FSDP2Strategy
-    from lit_memtrain.strategies.fsdp2 import _mixed_precision_policy
+    from lit_memtrain.parallel.fsdp import mixed_precision_policy
 
     live = FSDP2Strategy(mixed_precision="bf16", cpu_offload=True, reshard_after_forward=False)
-    spec = strategy_spec(_live_strategy(live), 2, 1)
+    spec = strategy_spec(strategy_config(live), 2, 1)
     assert (spec.kind, spec.world_size, spec.cpu_offload, spec.reshard_after_forward) == ("fsdp2", 2, True, False)
     assert spec.mixed_precision == {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
-    assert _mixed_precision_policy(spec.mixed_precision) == live.mp_policy
+    assert mixed_precision_policy(spec.mixed_precision) == live.mp_policy
 
 
 def test_a_live_context_parallel_strategy_is_planned_per_rank():
-    from lit_memtrain.planner.fit_config import _live_strategy
+    from lit_memtrain.callbacks.live_fit import strategy_config
     from lit_memtrain.strategies import ContextParallelStrategy
 
     live = ContextParallelStrategy(context_parallel_size=2, method="ring", cpu_offload=True)
-    spec = strategy_spec(_live_strategy(live), 4, 1)
+    spec = strategy_spec(strategy_config(live), 4, 1)
     assert (spec.kind, spec.world_size, spec.context_parallel_size) == ("context_parallel", 4, 2)
     assert (spec.context_parallel_method, spec.ring_backend, spec.cpu_offload) == ("ring", "all_gather", True)
 

@@ -196,11 +196,15 @@ def test_cli_plans_a_local_config_directory_and_says_what_to_add(tmp_path: Path)
     assert "trainer.strategy='fsdp' shards the model or the sequence" in text
 
 
-def test_planning_from_settings_needs_neither_jsonargparse_nor_datasets():
-    """What MemoryPlanCheck runs on a GPU machine, which lacks jsonargparse, datasets and wandb."""
+def test_planning_a_fit_config_needs_neither_jsonargparse_nor_datasets():
+    """What MemoryPlanCheck runs (--fit-config) on a GPU machine, which may lack jsonargparse, datasets and wandb."""
     code = (
         "import sys, lit_memtrain.planner.command, lit_memtrain.planner.plan, lit_memtrain.planner.step, "
         "lit_memtrain.planner.report, lit_memtrain.planner.plot;"
+        "from lit_memtrain.planner.fit_config import settings_from_config;"
+        "settings_from_config({'model': {'preset': 'tiny-qwen3'}, 'trainer': {'strategy': "
+        "{'class_path': 'lit_memtrain.strategies.ContextParallelStrategy', 'init_args': {'context_parallel_size': 2}}, "
+        "'devices': 2}});"
         "print(sorted(m for m in ('datasets', 'wandb', 'jsonargparse') if m in sys.modules))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -1,7 +1,7 @@
 """The planner's technique switches know ChunkedRMSNorm: described, removed from the comparison's plain rows,
 added by its own last row."""
 
-from lit_memtrain.callbacks import ChunkedRMSNorm
+from lit_memtrain.callbacks import ChunkedRMSNorm, TiledMLP
 from lit_memtrain.planner.settings import CallbackSpec, PlanSettings
 from lit_memtrain.planner.techniques import comparison_rows, techniques_of, with_techniques
 
@@ -11,11 +11,11 @@ NORM = "lit_memtrain.callbacks.ChunkedRMSNorm"
 def test_chunked_rms_norm_is_a_technique_of_its_own():
     settings = PlanSettings(module={"preset": "tiny-qwen3"}, callbacks=(CallbackSpec(NORM, {"chunk_elements": 4096}),))
     techniques = techniques_of(settings)
-    assert techniques.chunked_rms_norm and techniques.describe().endswith("chunked RMSNorm")
+    assert techniques.callback(ChunkedRMSNorm) is not None and techniques.describe().endswith("chunked RMSNorm")
     rows = comparison_rows(settings)
     assert rows[0][0] == "plain" and not with_techniques(settings, rows[0][1]).callbacks
     name, last, _ = rows[-1]
-    assert name == "+ chunked RMSNorm" and last.chunked_rms_norm and last.tiled_mlp
+    assert name == "+ chunked RMSNorm" and last.callback(ChunkedRMSNorm) and last.callback(TiledMLP)
     (spec,) = [spec for spec in with_techniques(settings, last).callbacks if spec.resolve() is ChunkedRMSNorm]
     assert spec.init_args == {"chunk_elements": 4096}  # the user's options are kept
 

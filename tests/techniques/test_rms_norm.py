@@ -1,4 +1,5 @@
-"""The chunked RMSNorm equals the model's own (Qwen3, Llama): forward, gradients, the probe's verdicts."""
+"""The chunked RMSNorm equals the model's own (Qwen3, Llama): forward, gradients, the probe's verdicts; the planner's
+hooks choose the chunks that run and the probe."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-from lit_memtrain.techniques.rms_norm import apply_chunked_rms_norm, chunked_rms_norm, probe_rms_norm
+from lit_memtrain.techniques.rms_norm import (
+    apply_chunked_rms_norm,
+    chunked_rms_norm,
+    probe_rms_norm,
+    probed_with,
+    selected_chunks,
+)
 
 HIDDEN = 48
 
@@ -98,3 +105,33 @@ def test_apply_replaces_the_norms_it_proves_and_restores_them():
     assert "forward" not in vars(block.a)
     with pytest.raises(ValueError, match="chunk_elements must be a positive int"):
         apply_chunked_rms_norm(block.modules(), chunk_elements=0)
+
+
+def test_selected_chunks_run_only_the_chunks_kept_and_the_others_stay_unwritten():
+    norm = _norm(Qwen3RMSNorm, torch.float32)
+    x = torch.randn(10, HIDDEN, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    expected = norm(x)
+    seen = []
+
+    def first_and_last(bounds):
+        seen.append(bounds)
+        return [bounds[0], bounds[-1]]
+
+    with selected_chunks(first_and_last):
+        out = chunked_rms_norm(x, norm.weight, norm.variance_epsilon, chunk_elements=HIDDEN * 3)
+        out.sum().backward()
+    assert seen[0] == [(0, 3), (3, 6), (6, 9), (9, 10)] and len(seen) == 2  # forward, then backward
+    assert torch.equal(out[:3], expected[:3]) and torch.equal(out[9:], expected[9:])
+    out = chunked_rms_norm(x, norm.weight, norm.variance_epsilon, chunk_elements=HIDDEN * 3)  # the context is closed
+    assert torch.equal(out, expected) and len(seen) == 2
+
+
+def test_probed_with_replaces_the_probe_while_open():
+    norm = _norm(Qwen3RMSNorm, torch.float32)
+    with probed_with(lambda module: "refused by the test's probe"):
+        restore, skipped = apply_chunked_rms_norm([norm])
+    assert skipped == {"Qwen3RMSNorm": "refused by the test's probe"} and "forward" not in vars(norm)
+    restore()
+    restore, skipped = apply_chunked_rms_norm([norm])  # probe_rms_norm again
+    assert not skipped and "forward" in vars(norm)
+    restore()

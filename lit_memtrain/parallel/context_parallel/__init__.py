@@ -17,9 +17,15 @@ A step on each rank of a group, without Lightning::
     attention.set_layout(shard.layout)
     hidden = model.model(input_ids=shard.batch["input_ids"], position_ids=shard.batch["position_ids"],
                          use_cache=False).last_hidden_state
-    loss = shard_loss(hidden, model.lm_head.weight, shard.batch["shift_labels"],
-                      global_target_count(shard.batch["shift_labels"], cp_group))
+    targets = shard.batch["shift_labels"].flatten()  # shifted on the whole row: not shifted again
+    count = (targets != IGNORE_INDEX).sum()
+    dist.all_reduce(count, group=cp_group)  # the row's trainable targets, each counted once
+    loss = chunked_cross_entropy(hidden.flatten(0, 1), model.lm_head.weight, targets, count)
     loss.backward()  # then sum gradients over the group (FSDP2 / DDP average: scale by the group size)
+
+Each rank's loss is its own targets' sum divided by the whole row's count, so the group's losses and gradients
+add up to one process's on the whole row. ``CausalLMModule`` does the same under
+:class:`~lit_memtrain.strategies.ContextParallelStrategy`.
 """
 
 from lit_memtrain.parallel.context_parallel.install import (
@@ -28,7 +34,6 @@ from lit_memtrain.parallel.context_parallel.install import (
     ContextParallelAttention,
     install_attention,
 )
-from lit_memtrain.parallel.context_parallel.loss import global_target_count, shard_loss
 from lit_memtrain.parallel.context_parallel.sharding import (
     SequenceShard,
     ShardLayout,
@@ -38,7 +43,7 @@ from lit_memtrain.parallel.context_parallel.sharding import (
 )
 from lit_memtrain.parallel.context_parallel.torch_ring import torch_ring_attention
 from lit_memtrain.parallel.context_parallel.ulysses import INNER_ATTENTIONS
-from lit_memtrain.parallel.context_parallel.validation import METHODS, check_context_parallel, check_group_size, ulysses_sizes
+from lit_memtrain.parallel.context_parallel.validation import METHODS, check_context_parallel, ulysses_sizes
 
 __all__ = [
     "ATTENTION_NAMES",
@@ -50,12 +55,9 @@ __all__ = [
     "ShardLayout",
     "check_context_parallel",
     "check_same_rows",
-    "check_group_size",
-    "global_target_count",
     "install_attention",
     "padded_length",
     "shard_batch",
-    "shard_loss",
     "torch_ring_attention",
     "ulysses_sizes",
 ]

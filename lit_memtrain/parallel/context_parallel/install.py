@@ -22,7 +22,6 @@ use_cache=False)``: global position ids (RoPE and YaRN rotate each token as on o
 
 from __future__ import annotations
 
-import importlib.util
 import weakref
 from typing import Any
 
@@ -32,7 +31,12 @@ from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from lit_memtrain.techniques.attention import FLASH_ATTN_MAX_HEAD_DIM, SDPA_BY_DOCUMENT, attention_head_dim
+from lit_memtrain.techniques.attention import (
+    FLASH_ATTN_MAX_HEAD_DIM,
+    SDPA_BY_DOCUMENT,
+    attention_head_dim,
+    check_flash_attn,
+)
 from lit_memtrain.parallel.context_parallel.ring_attention import AttentionBlock, attention_blocks, gathered_kv_attention
 from lit_memtrain.parallel.context_parallel.sharding import ShardLayout
 from lit_memtrain.parallel.context_parallel.torch_ring import torch_ring_sdpa
@@ -71,8 +75,16 @@ class ContextParallelAttention:
         self._size = dist.get_world_size(group)
         self._rank = dist.get_rank(group)
 
-    def set_layout(self, layout: ShardLayout) -> None:
-        """Use ``layout`` (from :func:`~lit_memtrain.parallel.context_parallel.shard_batch`) from now until the next call."""
+    def set_layout(self, layout: ShardLayout, check_positions: bool = True) -> None:
+        """Use ``layout`` (from :func:`~lit_memtrain.parallel.context_parallel.shard_batch`) until the next call.
+
+        Args:
+            layout: this rank's layout of the batch about to run.
+            check_positions: check, at the batch's first attention call, that the model was called with the
+                shard's global ``position_ids`` (one device sync and one all-reduce over the group per batch).
+                ``False`` skips it, for a caller that passes them by construction and whose tensors hold no
+                values to compare (the planner's fake tensors).
+        """
         found = (layout.method, layout.cp_size, layout.cp_rank)
         if found != (self.method, self._size, self._rank):
             raise ValueError(
@@ -86,7 +98,7 @@ class ContextParallelAttention:
                 f"inner={SDPA_BY_DOCUMENT!r} or 'flash_attention_2'."
             )
         self.layout = layout
-        self._positions_checked = False
+        self._positions_checked = not check_positions
         if self.method == "ring" and self.ring_backend == "all_gather":
             self._blocks = attention_blocks(layout)
 
@@ -235,11 +247,8 @@ def install_attention(
             f"inner='flash_attention_2' cannot run {type(model).__name__}: its attention heads have {head_dim} "
             f"dimensions and flash-attn's kernels stop at {FLASH_ATTN_MAX_HEAD_DIM}; use inner={SDPA_BY_DOCUMENT!r}."
         )
-    if method == "ulysses" and inner == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
-        raise ValueError(
-            f"inner='flash_attention_2' needs the flash-attn package (CUDA), which is not installed: pip install "
-            f"'lit-memtrain[flash]', or use inner={SDPA_BY_DOCUMENT!r}."
-        )
+    if method == "ulysses":
+        check_flash_attn(inner, "inner", SDPA_BY_DOCUMENT)
     if ring_backend not in RING_BACKENDS:
         raise ValueError(f"ring_backend must be one of {RING_BACKENDS}, got {ring_backend!r}.")
     if any(module in _installed for module in model.modules()):

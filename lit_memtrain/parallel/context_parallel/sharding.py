@@ -17,14 +17,14 @@ Why each step is where it is:
   then rotate every token exactly as on one process), and the document bounds of the whole row go to attention
   in the :class:`ShardLayout`. A shard's local positions cannot stand for them: with head-tail order they read
   like two documents (``[0..7, 24..31]``).
-- *Counts are local*: ``num_trainable_tokens`` and ``num_tokens`` count this shard only, so summing them over
-  all ranks counts each token once (counting the whole row on each rank would count it ``cp`` times).
+- *Counts are local*: ``num_tokens`` counts this shard's tokens only, and its ``shift_labels`` hold only its own
+  targets, so summing either over all ranks counts each token once (counting the whole row on each rank would
+  count it ``cp`` times).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import pairwise
 from typing import Any
 
 import torch
@@ -32,8 +32,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from lit_memtrain.parallel.context_parallel.validation import METHODS
 from lit_memtrain.datamodules.batch import IGNORE_INDEX, shift_targets
+from lit_memtrain.parallel.context_parallel.validation import METHODS
+from lit_memtrain.techniques.attention import cu_seq_lens_bounds
 
 __all__ = ["SequenceShard", "ShardLayout", "check_same_rows", "padded_length", "rank_chunks", "shard_batch"]
 
@@ -116,10 +117,10 @@ class SequenceShard:
     """One rank's part of a batch (``batch``) and what attention needs to know about the whole row (``layout``).
 
     ``batch`` holds ``input_ids`` and ``position_ids`` ([B, local length], global positions), ``shift_labels``
-    (targets already aligned with each position: do not shift them again), ``num_trainable_tokens`` (0-d
-    tensor, this shard's targets that are not ``-100``) and ``num_tokens`` (int, this shard's tokens that are
-    neither padding added here nor the collator's), plus the input batch's entries that are not per token
-    (passed on unchanged).
+    (targets already aligned with each position: do not shift them again) and ``num_tokens`` (int, this
+    shard's tokens that are neither padding added here nor the collator's), plus the input batch's entries that
+    are not per token (passed on unchanged). A whole-row count a collator of 0.1 wrote (``num_trainable_tokens``)
+    is dropped: it is not this shard's.
     """
 
     batch: dict[str, Any]
@@ -143,13 +144,7 @@ def _document_bounds(batch: dict[str, Any], length: int) -> list[int]:
         from_positions = restarts[0].nonzero().squeeze(1).tolist() + [length]
     if batch.get("cu_seq_lens_q") is None:
         return from_positions or [0, length]
-    bounds = batch["cu_seq_lens_q"].tolist()
-    if rows != 1 or bounds[0] != 0 or bounds[-1] != length or any(b < a for a, b in pairwise(bounds)):
-        raise ValueError(
-            f"cu_seq_lens_q must rise from 0 to {length} over one flattened row of {length} tokens, got "
-            f"{bounds[:4]}...{bounds[-1:]} for a batch of {rows} row(s); build padding-free batches with "
-            "PaddingFreeCollator."
-        )
+    bounds = cu_seq_lens_bounds(batch["cu_seq_lens_q"], rows, length)
     if from_positions is not None and sorted(set(bounds)) != from_positions:
         raise ValueError(
             f"cu_seq_lens_q {bounds[:6]}... and the restarts of position_ids {from_positions[:6]}... disagree on "
@@ -255,13 +250,11 @@ def shard_batch(
     )
 
     real_length = int(batch["num_tokens"]) if rows == 1 and "num_tokens" in batch else length
-    shift_labels = local(targets)
     shard = {key: value for key, value in batch.items() if key not in _UNSHARDED_KEYS}
     shard.update(
         input_ids=local(input_ids),
         position_ids=layout.position_ids,
-        shift_labels=shift_labels,
-        num_trainable_tokens=(shift_labels != IGNORE_INDEX).sum(),
+        shift_labels=local(targets),
         num_tokens=rows * sum(max(0, min(stop, real_length) - start) for start, stop in layout.chunks),
     )
     return SequenceShard(batch=shard, layout=layout)

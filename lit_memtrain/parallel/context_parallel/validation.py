@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from lit_memtrain.parallel.dims import ParallelDims
+
 Method = Literal["ulysses", "ring"]
 METHODS: tuple[str, ...] = ("ulysses", "ring")
 
-__all__ = ["METHODS", "Method", "check_context_parallel", "check_group_size", "ulysses_sizes"]
+__all__ = ["METHODS", "Method", "check_context_parallel", "ulysses_sizes"]
 
 
 def ulysses_sizes(num_attention_heads: int, num_key_value_heads: int) -> list[int]:
@@ -29,19 +31,6 @@ def ulysses_sizes(num_attention_heads: int, num_key_value_heads: int) -> list[in
         for size in range(1, num_attention_heads + 1)
         if num_attention_heads % size == 0 and (num_key_value_heads % size == 0 or size % num_key_value_heads == 0)
     ]
-
-
-def check_group_size(context_parallel_size: int, world_size: int | None = None) -> None:
-    """Raise ``ValueError`` unless ``context_parallel_size`` is a positive int dividing ``world_size`` (when given)."""
-    size = context_parallel_size
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"context_parallel_size must be a positive int, got {size!r}.")
-    if world_size is not None and world_size % size:
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise ValueError(
-            f"context_parallel_size={size} does not divide the world size {world_size}: the ranks form groups of "
-            f"{size} that share a sequence. Use one of {divisors}."
-        )
 
 
 def _head_counts(config: Any) -> tuple[int, int]:
@@ -66,7 +55,8 @@ def check_context_parallel(
         config: the model's ``transformers`` config (``num_attention_heads``, ``num_key_value_heads`` are read).
         context_parallel_size: ranks that share one sequence.
         method: ``"ulysses"`` or ``"ring"``.
-        world_size: when given, it must be a multiple of ``context_parallel_size`` (the rest is data parallel).
+        world_size: when given, it must be a multiple of ``context_parallel_size`` (the rest is data parallel;
+            checked by :class:`~lit_memtrain.parallel.dims.ParallelDims`).
 
     Example:
         >>> from lit_memtrain.models.presets import build_config
@@ -77,7 +67,10 @@ def check_context_parallel(
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(map(repr, METHODS))}, got {method!r}.")
     size = context_parallel_size
-    check_group_size(size, world_size)
+    if world_size is None:
+        ParallelDims.check_sizes(context_parallel_size=size)
+    else:
+        ParallelDims(world_size, context_parallel_size=size)
     heads, kv_heads = _head_counts(config)
     if method == "ulysses" and size not in ulysses_sizes(heads, kv_heads):
         raise ValueError(

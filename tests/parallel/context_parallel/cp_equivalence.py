@@ -25,16 +25,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoModelForCausalLM
 
 from lit_memtrain.techniques.checkpointing import apply_checkpointing
-from lit_memtrain.parallel.context_parallel import (
-    global_target_count,
-    install_attention,
-    shard_batch,
-    shard_loss,
-    torch_ring_attention,
-)
+from lit_memtrain.parallel.context_parallel import install_attention, shard_batch, torch_ring_attention
 from lit_memtrain.datamodules.padding_free import PaddingFreeCollator
 from lit_memtrain.models.layers import find_decoder_layers
 from lit_memtrain.models.presets import build_config
+from lit_memtrain.techniques.loss import chunked_cross_entropy
 from lit_memtrain.techniques.tiled_mlp import apply_tiled_mlp
 
 YARN = {"rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 4.0, "original_max_position_embeddings": 16}
@@ -50,7 +45,7 @@ class Case:
     preset: str = "tiny-qwen3"
     overrides: dict[str, Any] = field(default_factory=dict)
     inner: str = "sdpa_by_document"
-    loss: str = "float64"  # "float64": logits and cross-entropy in float64; "chunked": shard_loss
+    loss: str = "float64"  # "float64": logits and cross-entropy in float64; "chunked": chunked_cross_entropy
     checkpointing: dict[str, bool] | None = None  # apply_checkpointing's options ({} = full checkpointing)
     tiled_mlp: bool = False
     batch_rows: int = 1  # > 1: that many single-document rows of lengths[0] tokens
@@ -92,7 +87,7 @@ def _cpu_batch(case: Case, vocab_size: int) -> dict[str, Any]:
 
 def _loss(model: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, count: torch.Tensor, kind: str):
     if kind == "chunked":
-        return shard_loss(hidden, model.lm_head.weight, targets, count, chunk_size=8)
+        return chunked_cross_entropy(hidden.flatten(0, 1), model.lm_head.weight, targets.flatten(), count, chunk_size=8)
     logits = model.lm_head(hidden).flatten(0, 1)
     return F.cross_entropy(logits, targets.flatten(), ignore_index=-100, reduction="sum") / count
 
@@ -129,7 +124,9 @@ def context_parallel(
             input_ids=shard.batch["input_ids"], position_ids=shard.batch["position_ids"], use_cache=False
         ).last_hidden_state
         targets = shard.batch["shift_labels"]
-        loss = _loss(model, hidden, targets, global_target_count(targets, group), case.loss)
+        count = (targets != -100).sum()
+        dist.all_reduce(count, group=group)  # the row's trainable targets: each rank divides by all of them
+        loss = _loss(model, hidden, targets, count, case.loss)
         loss.backward()
     attention.uninstall()
     total = loss.detach().clone()
