@@ -86,10 +86,12 @@ def split_worker(rank: int, world: int, port: int, args: argparse.Namespace, out
 
 
 def split_run(world: int, args: argparse.Namespace) -> Measure:
+    """Run the ranks of the split. On GPUs they are spawned (a forked child cannot use CUDA); the CPU ranks of a
+    dry run are forked, so they do not import torch and Lightning again (most of a dry run's time)."""
     with tempfile.TemporaryDirectory() as directory:
         out = str(Path(directory) / "split.pt")
         mp.start_processes(split_worker, args=(world, find_free_network_port(), args, out), nprocs=world,
-                           start_method="spawn")  # fmt: skip
+                           start_method="fork" if args.dry_run else "spawn")  # fmt: skip
         measure = Measure()
         vars(measure).update(torch.load(out, weights_only=True))
         return measure

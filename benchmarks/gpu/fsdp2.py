@@ -2,12 +2,14 @@
 
 A Qwen3-4B-shaped model (hidden 2560, MLP 9728, vocabulary 151,936) with fewer layers and random fp32
 weights is trained for a few steps by ``Trainer(strategy=FSDP2Strategy(mixed_precision="bf16",
-cpu_offload=...))`` on one sequence per step, with the chunked loss, checkpointing and tiled MLPs: first
-with the sharded state on the GPU, then with it in host memory (the optimizer steps on the CPU), in the same
-process, on the same weights and tokens. Measured after a warm-up step: peak allocated memory
-(``torch.cuda.max_memory_allocated``), the memory held between steps (parameters, gradients and AdamW state
-when they live on the GPU), and the median step time. Checks: the first loss is the same either way, and
-with ``cpu_offload`` the memory held between steps is under a tenth of what it is without.
+cpu_offload=...))`` on one sequence per step, with the chunked loss, checkpointing, tiled MLPs and gradient
+clipping (``gradient_clip_val=1.0``): first with the sharded state on the GPU, then with it in host memory (the
+optimizer steps on the CPU), in the same process, on the same weights and tokens. Measured after a warm-up
+step: peak allocated memory (``torch.cuda.max_memory_allocated``), the memory held between steps (parameters,
+gradients and AdamW state when they live on the GPU), and the median step time. Checks: the first loss is the
+same either way; clipping runs with ``cpu_offload`` (its gradient norm is a host tensor, reduced over the gloo
+half of the ``cuda:nccl,cpu:gloo`` process group) and clips the first step's gradients as on the GPU; and with
+``cpu_offload`` the memory held between steps is under a tenth of what it is without.
 
 Run from the repository root (about a minute on one H200)::
 
@@ -30,6 +32,7 @@ enable_expandable_segments()
 
 import torch  # noqa: E402
 from lightning.pytorch import Callback, Trainer  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lit_memtrain.callbacks import GradientCheckpointing, TiledMLP  # noqa: E402
@@ -37,6 +40,14 @@ from lit_memtrain.objectives.causal_lm import CausalLMModule  # noqa: E402
 from lit_memtrain.strategies import FSDP2Strategy  # noqa: E402
 
 GIB = 2**30
+CLIP = 1.0
+
+
+def gradient_norm(module: torch.nn.Module) -> float:
+    """The gradients' total norm as ``clip_grad_norm_`` computes it: over every rank's shards, with
+    ``cpu_offload`` by a collective over host tensors."""
+    norm = torch.nn.utils.get_total_norm([p.grad for p in module.parameters() if p.grad is not None])
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
 
 class Measure(Callback):
@@ -46,6 +57,7 @@ class Measure(Callback):
         self.times: list[float] = []
         self.losses: list[float] = []
         self.held: list[int] = []
+        self.grad_norms: list[float] = []  # the first step's, before and after clipping
         self.peak = 0
         self._started = 0.0
 
@@ -63,6 +75,12 @@ class Measure(Callback):
             self.peak = torch.cuda.max_memory_allocated()
         self.times.append(time.perf_counter() - self._started)
         self.losses.append(pl_module.last_train_loss)
+        if batch_idx == 0:  # the gradients stay until the next step's backward
+            self.grad_norms.append(gradient_norm(pl_module))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if trainer.global_step == 0:  # Lightning clips right after this hook
+            self.grad_norms.append(gradient_norm(pl_module))
 
 
 def run(cpu_offload: bool, args: argparse.Namespace, rows: torch.Tensor) -> Measure:
@@ -73,7 +91,7 @@ def run(cpu_offload: bool, args: argparse.Namespace, rows: torch.Tensor) -> Meas
         learning_rate=1e-5, attn_implementation="sdpa",
     )
     trainer = Trainer(
-        accelerator="cpu" if args.dry_run else "gpu", devices=1, max_steps=args.steps,
+        accelerator="cpu" if args.dry_run else "gpu", devices=1, max_steps=args.steps, gradient_clip_val=CLIP,
         strategy=FSDP2Strategy(mixed_precision="bf16", cpu_offload=cpu_offload),
         callbacks=[GradientCheckpointing(offload=True), TiledMLP(), measure],
         logger=False, enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
@@ -120,9 +138,14 @@ def main() -> None:
     offload = results["cpu_offload"]
     loss_difference = abs(offload.losses[0] - reference.losses[0]) / abs(reference.losses[0])
     held_ratio = (offload.held[-1] / reference.held[-1]) if reference.held else 0.0
+    (before, after), (reference_before, reference_after) = offload.grad_norms, reference.grad_norms
+    clipped = abs(after - min(CLIP, before)) < 1e-3 * after and abs(after - reference_after) < 1e-3 * reference_after
     checks = [
         {"name": "the first loss is the same with cpu_offload", "passed": loss_difference < 1e-3,
          "detail": f"relative difference {loss_difference:.2e}"},
+        {"name": "gradient clipping with cpu_offload clips as on the GPU", "passed": clipped,
+         "detail": f"first step's gradient norm {before:.4g} -> {after:.4g} (on the GPU {reference_before:.4g} -> "
+                   f"{reference_after:.4g}), gradient_clip_val={CLIP}"},
         {"name": "cpu_offload holds under a tenth of the memory between steps", "passed": args.dry_run or held_ratio < 0.1,
          "detail": f"held with / without: {held_ratio:.3f}"},
     ]

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_memtrain.callbacks.technique_description import CompareRow, TechniqueDescription
 from lit_memtrain.techniques.offload import ActivationOffloader
@@ -92,6 +92,12 @@ class ActivationOffloading(Callback):
         if pl_module.device.type == "cpu" and not self.offload_cpu_tensors_for_testing:
             rank_zero_warn(
                 "ActivationOffloading does nothing when training on the CPU: activations already live there."
+            )
+        else:
+            rank_zero_info(
+                f"ActivationOffloading: tensors of {self.min_offload_bytes:,} bytes or more saved inside "
+                f"{len(self.offloader.layers)} decoder layers copied to host memory (the {self.max_fwd_stash_size} "
+                "most recent also kept on the device)"
             )
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_memtrain.callbacks.technique_description import CompareRow, Suggestion, TechniqueDescription
 from lit_memtrain.techniques.rms_norm import DEFAULT_CHUNK_ELEMENTS, apply_chunked_rms_norm, validate_chunk_elements
@@ -51,7 +51,8 @@ class ChunkedRMSNorm(Callback):
         )
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        found = {type(module).__name__ for module in pl_module.modules() if type(module).__name__.endswith("RMSNorm")}
+        norms = [type(module).__name__ for module in pl_module.modules() if type(module).__name__.endswith("RMSNorm")]
+        found = set(norms)
         if not found:
             raise ValueError(
                 "ChunkedRMSNorm found no RMSNorm module (a class named '*RMSNorm') in the model; leave it out."
@@ -66,6 +67,11 @@ class ChunkedRMSNorm(Callback):
             )
         if skipped:
             rank_zero_warn(f"ChunkedRMSNorm leaves these norms as they are ({reasons}).")
+        replaced = [name for name in norms if name not in skipped]
+        rank_zero_info(
+            f"ChunkedRMSNorm: {len(replaced)} norms ({', '.join(sorted(set(replaced)))}) replaced by fp32 chunks of "
+            f"{self.chunk_elements:,} elements"
+        )
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._undo()

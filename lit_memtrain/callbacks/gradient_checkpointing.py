@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info
 from transformers import PretrainedConfig
 
 from lit_memtrain.callbacks.activation_offloading import ActivationOffloading
@@ -92,6 +93,11 @@ class GradientCheckpointing(Callback):
         except ValueError as error:
             raise ValueError(f"GradientCheckpointing has no layers to checkpoint: {error}") from error
         self._restore = apply_checkpointing(layers, selective=self.selective, offload=self.offload)
+        inputs = ", inputs offloaded to host memory" if self.offload else ""
+        rank_zero_info(
+            f"GradientCheckpointing: {len(layers)} decoder layers checkpointed "
+            f"({'selective' if self.selective else 'full'}{inputs})"
+        )
         # A KV cache built in a training forward is updated again when a layer is recomputed.
         configs = {
             id(module.config): module.config

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info
 
 from lit_memtrain.callbacks.technique_description import CompareRow, Suggestion, TechniqueDescription
 from lit_memtrain.models.layers import find_decoder_layers
@@ -61,6 +62,8 @@ class TiledMLP(Callback):
         except ValueError as error:
             raise ValueError(f"TiledMLP has no decoder layers to tile: {error}") from error
         self._restore = apply_tiled_mlp(layers, self.num_tiles)
+        tiles = f"{self.num_tiles} tiles per call" if self.num_tiles else "tiles of about max(hidden size, 1024) tokens"
+        rank_zero_info(f"TiledMLP: the MLPs of {len(layers)} decoder layers tiled along the sequence ({tiles})")
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._undo()

@@ -2,15 +2,20 @@
 
 ``fit`` and ``validate`` take ``--config configs/*.yaml`` and ``--model.*``, ``--data.*``, ``--trainer.*``
 arguments (also in the ``--key=value`` form a W&B sweep agent passes); see :mod:`lit_memtrain.cli.fit`. The other
-subcommands live in a file each: ``generate``, ``export``, ``lengths``, ``plan``.
+subcommands live in a file each: ``generate``, ``export``, ``lengths``, ``plan``. Every subcommand ends a
+configuration mistake with one line and exit status 2 (:mod:`lit_memtrain.cli.errors`).
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+from typing import NoReturn
 
-from lit_memtrain.cli.fit import MemTrainCLI, names_model_class
+from lit_memtrain.cli.errors import TRACEBACK_VARIABLE, one_line_errors
+from lit_memtrain.cli.fit import FIT_SUBCOMMANDS, MemTrainCLI, names_model_class, run_fit
+from lit_memtrain.cli.library_noise import silence_library_noise
+from lit_memtrain.cli.parse_errors import did_you_mean
 from lit_memtrain.techniques.allocator import enable_expandable_segments
 
 __all__ = ["MemTrainCLI", "main", "names_model_class"]
@@ -18,25 +23,49 @@ __all__ = ["MemTrainCLI", "main", "names_model_class"]
 # Our own subcommands: the module under lit_memtrain.cli and its function, imported when the subcommand runs.
 SUBCOMMANDS = {"generate": "generate", "export": "export", "lengths": "lengths", "plan": "plan"}
 
-_OWN_SUBCOMMANDS_HELP = """
+# LightningCLI's subcommands the modules do not implement, with what to run instead.
+NOT_IMPLEMENTED = {
+    "test": "the modules define no test_step; measure held-out data with `lit-memtrain validate` (its "
+    "validation split: --data.val_split or --data.val_size).",
+    "predict": "the modules define no predict_step; export the trained model (--model.export_dir, or "
+    "`lit-memtrain export`) and answer prompts with `lit-memtrain generate`.",
+}
+
+_OWN_SUBCOMMANDS_HELP = f"""
 lit-memtrain subcommands of its own:
   generate   answer a prompt with an exported model (lit-memtrain generate --help)
   lengths    token-length profile and a recommended max_length (lit-memtrain lengths --help)
   export     merge a checkpoint's LoRA adapter and write a Hugging Face directory (lit-memtrain export --help)
   plan       simulate a fit configuration's peak GPU memory, and the longest sequence that fits (lit-memtrain plan --help)
+
+A configuration mistake ends with one line; {TRACEBACK_VARIABLE}=1 shows its traceback as well.
 """
 
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point. Sets the allocator to expandable segments before anything initialises CUDA."""
     enable_expandable_segments()
+    silence_library_noise()
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in SUBCOMMANDS:
-        name = SUBCOMMANDS[argv[0]]
-        getattr(importlib.import_module(f"lit_memtrain.cli.{name}"), name)(argv[1:])
+    command = argv[0] if argv else None
+    if command in SUBCOMMANDS:
+        name = SUBCOMMANDS[command]
+        with one_line_errors(f"lit-memtrain {command}"):
+            getattr(importlib.import_module(f"lit_memtrain.cli.{name}"), name)(argv[1:])
         return
+    if command in NOT_IMPLEMENTED:
+        _refuse(f"lit-memtrain {command}", f"lit-memtrain has no {command} subcommand: {NOT_IMPLEMENTED[command]}")
+    if command is not None and not command.startswith("-") and command not in FIT_SUBCOMMANDS:
+        choices = [*FIT_SUBCOMMANDS, *SUBCOMMANDS]
+        _refuse(
+            "lit-memtrain",
+            f"unknown subcommand {command!r}{did_you_mean(command, choices)}; choose from {', '.join(choices)}.",
+        )
     if argv in ([], ["-h"], ["--help"]):
         print(_OWN_SUBCOMMANDS_HELP)
-    from lit_memtrain.cli.fit import run_fit
-
     run_fit(argv)
+
+
+def _refuse(prog: str, message: str) -> NoReturn:
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)

@@ -1,4 +1,9 @@
-"""``lit-memtrain export``: a Hugging Face directory from a fit checkpoint, any LoRA adapter merged."""
+"""``lit-memtrain export``: a Hugging Face directory from a fit checkpoint, any LoRA adapter merged.
+
+The checkpoint's module decides what is written: a causal LM (``CausalLMModule``, ``DPOModule``...) or a
+sequence-classification model (``RewardModule``: ``AutoModelForSequenceClassification`` loads it). A checkpoint of
+another kind (a plain Lightning checkpoint, a module without ``export``) ends in one line that names it.
+"""
 
 from __future__ import annotations
 
@@ -23,6 +28,11 @@ def export(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     try:
         module = load_checkpoint(args.checkpoint)
-    except (pickle.UnpicklingError, ValueError) as error:
-        parser.error(str(error).splitlines()[0])
-    print(f"exported {args.checkpoint} to {module.export(args.output)}")
+    except pickle.UnpicklingError as error:  # reported in one line, as a configuration mistake
+        raise ValueError(str(error).splitlines()[0]) from error
+    if not callable(getattr(module, "export", None)):
+        raise ValueError(
+            f"{args.checkpoint!r} holds a {type(module).__name__}, which has no export method: lit-memtrain export "
+            "writes the model of a lit-memtrain module (CausalLMModule and its subclasses)."
+        )
+    print(f"exported {args.checkpoint} ({type(module).__name__}) to {module.export(args.output)}")

@@ -7,27 +7,48 @@ arguments (also in the ``--key=value`` form a W&B sweep agent passes). The token
 The model and data sections hold :class:`CausalLMModule` and :class:`SFTDataModule` arguments, or, when a config
 names its classes (``model: {class_path: lit_memtrain.DPOModule, init_args: ...}``, as ``configs/dpo.yaml``
 does), any subclass of :class:`CausalLMModule` and any datamodule.
+
+As a command (:func:`run_fit`), a configuration mistake ends in one line (:mod:`lit_memtrain.cli.errors`), the
+help is plain text (:mod:`lit_memtrain.cli.help_text`) and the model given last wins
+(:mod:`lit_memtrain.cli.model_choice`).
 """
 
 from __future__ import annotations
 
+import sys
+from argparse import ArgumentError
 from pathlib import Path
 from typing import Any
 
 import yaml
-from lightning.pytorch import LightningDataModule
-from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple
+from lightning.pytorch import LightningDataModule, Trainer
+from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, LRSchedulerTypeTuple
+from lightning.pytorch.utilities import rank_zero_info
 from torch.optim import Optimizer
 
+from lit_memtrain.cli.errors import RunStarted, one_line_errors
+from lit_memtrain.cli.library_noise import quiet_loggers
+from lit_memtrain.cli.model_choice import replace_earlier_choices
+from lit_memtrain.cli.parse_errors import explain_parse_error, parser_keys
+from lit_memtrain.cli.progress import StepProgressBar
 from lit_memtrain.datamodules.sft import SFTDataModule
 from lit_memtrain.objectives.causal_lm import CausalLMModule
 
-__all__ = ["MemTrainCLI", "names_model_class", "run_fit"]
+__all__ = ["FIT_SUBCOMMANDS", "MemTrainCLI", "names_model_class", "run_fit"]
+
+FIT_SUBCOMMANDS = ("fit", "validate")  # the modules define no test_step or predict_step
 
 
 def _as_dict(spec: Any) -> dict[str, Any] | None:
     """A parsed ``--optimizer`` / ``--lr_scheduler`` (class_path and init_args) as the module's plain dict."""
     return spec.as_dict() if spec else None
+
+
+def _as_list(callbacks: Any) -> list[Any]:
+    if callbacks is None:
+        return []
+    return list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
 
 
 class MemTrainCLI(LightningCLI):
@@ -40,7 +61,17 @@ class MemTrainCLI(LightningCLI):
     as Lightning documents for modules that build their own optimizer: the model is built in
     ``configure_model``, after the CLI would instantiate them, and biases and norm weights keep no weight
     decay. Without them: AdamW and warmup-cosine.
+
+    Beyond LightningCLI: ``fit`` and ``validate`` are its only subcommands; the model named last among the config
+    files and ``--model.*`` arguments wins (:func:`~lit_memtrain.cli.model_choice.replace_earlier_choices`); the
+    training bar counts optimizer steps (:class:`~lit_memtrain.cli.progress.StepProgressBar`) unless the trainer
+    has a progress bar or none; with ``parser_kwargs={"exit_on_error": False}`` a parse error raises an
+    ``ArgumentError`` of one line, with a "did you mean" for a mistyped key.
     """
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        return {name: skip for name, skip in LightningCLI.subcommands().items() if name in FIT_SUBCOMMANDS}
 
     def add_arguments_to_parser(self, parser) -> None:
         model = "model.init_args" if self.subclass_mode_model else "model"
@@ -57,6 +88,56 @@ class MemTrainCLI(LightningCLI):
             if link_to != "AUTOMATIC":
                 parser.link_arguments(key, link_to, compute_fn=_as_dict)
 
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """Parse ``args`` (``sys.argv[1:]`` when None) into ``self.config``.
+
+        Unlike LightningCLI's, no warning when ``args`` is given while ``sys.argv`` holds arguments too: the
+        console command passes its arguments as ``args``.
+        """
+        from jsonargparse import Namespace  # imported when a command parses: the package imports without it
+
+        self.given_args = [] if isinstance(args, (dict, Namespace)) else list(sys.argv[1:] if args is None else args)
+        try:
+            if isinstance(args, (dict, Namespace)):
+                self.config = parser.parse_object(args)
+            else:
+                self.config = parser.parse_args(args)
+        except ArgumentError as error:
+            parsers = [parser, *getattr(self, "_subcommand_parsers", {}).values()]
+            raise ArgumentError(None, explain_parse_error(str(error), parser_keys(*parsers))) from error
+
+    def before_instantiate_classes(self) -> None:
+        section = self.config[self.subcommand] if self.subcommand else self.config
+        model = section.get("model")
+        if self.subclass_mode_model and model is not None:
+            model = model.get("init_args")
+        if model is not None:
+            replaced = replace_earlier_choices(model, self.given_args)
+            if replaced:
+                rank_zero_info(replaced)
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        config = self._get(self.config_init, "trainer", default={})
+        given = [*_as_list(config.get("callbacks")), *_as_list(self.trainer_defaults.get("callbacks"))]
+        wants_bar = config.get("enable_progress_bar") is not False
+        if "callbacks" not in kwargs and wants_bar and not any(isinstance(c, ProgressBar) for c in given):
+            kwargs["callbacks"] = [*_as_list(config.get("callbacks")), StepProgressBar()]
+        return super().instantiate_trainer(**kwargs)
+
+    def before_fit(self) -> None:
+        self._before_run()
+
+    def before_validate(self) -> None:
+        self._before_run()
+
+    def _before_run(self) -> None:
+        """Check the data against the strategy before the strategy launches its ranks (each would fail alike), and
+        prepare the loggers (:func:`~lit_memtrain.cli.library_noise.quiet_loggers`)."""
+        check_datamodule = getattr(self.trainer.strategy, "check_datamodule", None)
+        if check_datamodule is not None:
+            check_datamodule(self.datamodule)
+        quiet_loggers(self.trainer.loggers)
+
 
 def names_model_class(argv: list[str]) -> bool:
     """Whether the arguments, or a ``--config`` file among them, give the model as a ``class_path``."""
@@ -67,7 +148,10 @@ def names_model_class(argv: list[str]) -> bool:
     for path in configs:
         if not Path(path).is_file():  # LightningCLI reports it
             continue
-        config = yaml.safe_load(Path(path).read_text()) or {}
+        try:
+            config = yaml.safe_load(Path(path).read_text()) or {}
+        except yaml.YAMLError:  # LightningCLI reports it
+            continue
         if isinstance(config, dict) and isinstance(config.get("model"), dict) and "class_path" in config["model"]:
             return True
     return False
@@ -75,13 +159,22 @@ def names_model_class(argv: list[str]) -> bool:
 
 def run_fit(argv: list[str]) -> None:
     """LightningCLI's subcommands (``fit``, ``validate``) on ``argv``: CausalLMModule and SFTDataModule arguments, or
-    any classes a config names (:func:`names_model_class`)."""
-    by_class_path = names_model_class(argv)
-    MemTrainCLI(
-        CausalLMModule,
-        LightningDataModule if by_class_path else SFTDataModule,
-        subclass_mode_model=by_class_path,
-        subclass_mode_data=by_class_path,
-        save_config_kwargs={"overwrite": True},
-        args=argv,
-    )
+    any classes a config names (:func:`names_model_class`). A configuration mistake, up to the first batch, exits
+    with status 2 and one line (:func:`~lit_memtrain.cli.errors.one_line_errors`)."""
+    subcommand = next((arg for arg in argv if arg in FIT_SUBCOMMANDS), None)
+    run = RunStarted()
+    from lit_memtrain.cli.help_text import PlainHelpFormatter  # jsonargparse's, imported when a command runs
+
+    parser_kwargs = {"exit_on_error": False, "formatter_class": PlainHelpFormatter}
+    with one_line_errors(f"lit-memtrain {subcommand}" if subcommand else "lit-memtrain", run):
+        by_class_path = names_model_class(argv)
+        MemTrainCLI(
+            CausalLMModule,
+            LightningDataModule if by_class_path else SFTDataModule,
+            subclass_mode_model=by_class_path,
+            subclass_mode_data=by_class_path,
+            save_config_kwargs={"overwrite": True},
+            trainer_defaults={"callbacks": [run]},
+            parser_kwargs={"prog": "lit-memtrain", **parser_kwargs, **dict.fromkeys(FIT_SUBCOMMANDS, parser_kwargs)},
+            args=argv,
+        )

@@ -20,11 +20,8 @@ def generate(argv: list[str]) -> None:
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id, when --model has none")
     args = parser.parse_args(argv)
     if args.temperature < 0 or not 0 < args.top_p <= 1:
-        parser.error(f"--temperature must be >= 0 and --top_p in (0, 1], got {args.temperature} and {args.top_p}")
-    try:
-        load_tokenizer_for(args.model, args.tokenizer)
-    except ValueError as error:
-        parser.error(str(error))
+        raise ValueError(f"--temperature must be >= 0 and --top_p in (0, 1], got {args.temperature} and {args.top_p}")
+    load_tokenizer_for(args.model, args.tokenizer)  # refuses, before any weight is read, a model it cannot prompt
     for prompt in args.prompt:
         answer = generate_answer(
             args.model, prompt, args.max_new_tokens, args.temperature, args.top_p, args.tokenizer, args.seed

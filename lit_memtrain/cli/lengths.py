@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from argparse import ArgumentError
 from typing import Any
 
 from lightning.pytorch import LightningDataModule
 
 from lit_memtrain.cli.fit import names_model_class
+from lit_memtrain.cli.help_text import PlainHelpFormatter
+from lit_memtrain.cli.parse_errors import explain_parse_error, parser_keys
 from lit_memtrain.datamodules.sft import SFTDataModule
 
 __all__ = ["lengths"]
@@ -24,6 +27,8 @@ def lengths(argv: list[str]) -> None:
         "(and a fit --config, whose model and trainer sections are ignored): SFTDataModule's, or those of the data "
         "class a config names (PreferenceDataModule: each pair's two sequences). Examples are measured untruncated "
         "(a preference prompt is cut to max_prompt_length first, as in training).",
+        exit_on_error=False,  # a parse error is reported in one line (lit_memtrain.cli.errors)
+        formatter_class=PlainHelpFormatter,
     )
     parser.add_argument("--config", action=ActionConfigFile)
     by_class_path = names_model_class(argv)  # as fit parses the data section
@@ -38,10 +43,13 @@ def lengths(argv: list[str]) -> None:
     parser.add_argument("--max_truncated_token_share", type=float, default=0.01)
     parser.add_argument("--histogram", type=str, default="lengths.png", help="PNG to write")
     parser.add_argument("--sample", type=int, default=10_000, help="examples profiled from a stream (--data.streaming)")
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except ArgumentError as error:
+        raise ArgumentError(None, explain_parse_error(str(error), parser_keys(parser))) from error
     if by_class_path:
         _check_profiled_data(parser, args.data.class_path)
-    data = parser.instantiate_classes(args).data
+    data = parser.instantiate(args).data
     pairs = isinstance(data, PreferenceDataModule)
     lengths = data.token_lengths(args.sample if getattr(data, "streaming", False) else None)  # never cut by max_length
     report = profile_lengths(
@@ -76,17 +84,25 @@ def _check_profiled_data(parser: Any, class_path: str) -> None:
 
 
 def _preference_profile_text(data: Any) -> str:
-    """What the examples of a preference profile are, and what ``max_prompt_length`` cut before it."""
+    """What the examples of a preference profile are, what ``max_prompt_length`` cut before it, and how many
+    pairs training drops at ``max_length`` (:attr:`~lit_memtrain.datamodules.preference.PreferenceDataModule.
+    dropped_pairs` says which) though the profile counts them."""
     text = (
         f"Preference pairs: each example below is one sequence, prompt + chosen or prompt + rejected (two per pair; "
         f"a batch of {data.batch_size} pairs is {2 * data.batch_size} sequences, padded or padding-free, never packed)"
     )
     counts = data.token_counts["train"]
-    if data.max_prompt_length is None:
-        return f"{text}."
-    share = counts.truncated_tokens / counts.tokens if counts.tokens else 0.0
-    return (
-        f"{text}, prompts cut to max_prompt_length={data.max_prompt_length} as in training: {counts.truncated_tokens:,} "
-        f"of {counts.tokens:,} tokens ({100 * share:.2f}%) cut from prompts; max_length must stay above "
-        f"max_prompt_length."
-    )
+    if data.max_prompt_length is not None:
+        share = counts.truncated_tokens / counts.tokens if counts.tokens else 0.0
+        text = (
+            f"{text}, prompts cut to max_prompt_length={data.max_prompt_length} as in training: "
+            f"{counts.truncated_tokens:,} of {counts.tokens:,} tokens ({100 * share:.2f}%) cut from prompts "
+            f"(prompt_truncation={data.prompt_truncation}); max_length must stay above max_prompt_length"
+        )
+    if counts.dropped_examples:
+        text = (
+            f"{text}. At max_length={data.max_length} training drops {counts.dropped_examples:,} of "
+            f"{counts.examples:,} pairs ({counts.dropped_tokens:,} tokens), pairs {data.dropped_pairs}; the table "
+            "counts their sequences as cut at max_length instead"
+        )
+    return f"{text}."

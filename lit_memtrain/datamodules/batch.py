@@ -13,9 +13,11 @@ drifts. A batch is a dict of tensors:
   shard of a context-parallel group, shifted on the whole row before it was cut;
 - counts for the loss and the throughput meter, never passed to the model (:data:`BATCH_ONLY_KEYS`):
   ``num_tokens``, ``seq_lengths``, ``attention_pairs`` (a sequence shard's share of its rows' attention pairs) and
-  ``step_trainable_tokens`` (the trainable targets of the batch's whole optimizer step, tagged by
-  :mod:`lit_memtrain.objectives.step_tokens`); ``num_trainable_tokens``, which collators of 0.1 wrote, is kept
-  from the model too.
+  ``step_trainable_tokens`` (the trainable targets of the batch's whole optimizer step) and ``step_window`` (that
+  step's micro-batches and the accumulation they were read ahead for), tagged by
+  :mod:`lit_memtrain.objectives.step_tokens`; ``num_trainable_tokens``, which collators of 0.1 wrote, is kept
+  from the model too; ``margin`` (``[pairs]``, TRL's reward-model column: how far a pair's chosen reward should
+  exceed its rejected one), read by the reward loss only.
 
 :func:`model_inputs` is what the model's forward takes from a batch.
 """
@@ -31,6 +33,7 @@ __all__ = [
     "BATCH_ONLY_KEYS",
     "IGNORE_INDEX",
     "STEP_TRAINABLE_TOKENS",
+    "STEP_WINDOW",
     "VARLEN_KEYS",
     "batch_targets",
     "is_padding_free",
@@ -40,9 +43,10 @@ __all__ = [
 
 IGNORE_INDEX = -100  # a label the loss skips (prompt tokens, padding, each document's first token)
 STEP_TRAINABLE_TOKENS = "step_trainable_tokens"
+STEP_WINDOW = "step_window"
 BATCH_ONLY_KEYS = (
     "labels", "shift_labels", "num_trainable_tokens", "num_tokens", "seq_lengths", "attention_pairs",
-    STEP_TRAINABLE_TOKENS,
+    STEP_TRAINABLE_TOKENS, STEP_WINDOW, "margin",
 )  # fmt: skip
 VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")  # a padding-free row's documents
 

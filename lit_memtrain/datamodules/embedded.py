@@ -1,4 +1,4 @@
-"""The embedded default: a tokenizer, a conversational dataset and a preference dataset made offline.
+"""The embedded default: a tokenizer, a conversational dataset, a preference dataset and a prompt set made offline.
 
 Why: the quickstart and the tests must run on a machine that cannot reach a model hub. We generate
 small, learnable chat tasks (two-digit addition, reversing and sorting words), train a byte-level BPE
@@ -85,6 +85,19 @@ def make_preference(rng: random.Random) -> dict[str, list[dict[str, str]]]:
     }
 
 
+def make_arithmetic_prompt(rng: random.Random) -> dict[str, object]:
+    """One prompt of online RL's embedded task in TRL's conversational prompt-only format: a two-digit addition
+    and, in an ``answer`` column the reward functions read, its exact result."""
+    a, b = rng.randint(0, 99), rng.randint(0, 99)
+    return {"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "answer": str(a + b)}
+
+
+def write_embedded_prompts(path: Path, num_examples: int = 2000, seed: int = 2) -> Path:
+    """Write ``num_examples`` arithmetic prompts as JSON lines (``prompt`` and ``answer`` per line)."""
+    rng = random.Random(seed)
+    return _write_json_lines(path, (make_arithmetic_prompt(rng) for _ in range(num_examples)))
+
+
 def write_embedded_preferences(path: Path, num_examples: int = 2000, seed: int = 1) -> Path:
     """Write ``num_examples`` preference pairs as JSON lines (``prompt``, ``chosen``, ``rejected`` per line)."""
     rng = random.Random(seed)
@@ -161,4 +174,12 @@ def embedded_preference_path(cache_dir: Path | None = None) -> str:
     path = (cache_dir or default_cache_dir()) / "preferences.jsonl"
     if not path.exists():
         write_embedded_preferences(path)
+    return str(path)
+
+
+def embedded_prompt_path(cache_dir: Path | None = None) -> str:
+    """JSON-lines file of the embedded arithmetic prompts (online RL), created on first use."""
+    path = (cache_dir or default_cache_dir()) / "prompts.jsonl"
+    if not path.exists():
+        write_embedded_prompts(path)
     return str(path)

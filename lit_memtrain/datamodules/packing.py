@@ -28,14 +28,12 @@ from lit_memtrain.datamodules.table_packing import list_columns, pack_table
 if TYPE_CHECKING:  # datasets is imported only when a dataset is packed
     from datasets import Dataset, IterableDataset
 
-    from lit_memtrain.datamodules.streaming import PackedStream
-
 __all__ = ["pack_dataset"]
 
 
 def pack_dataset(
     dataset: Dataset | IterableDataset, max_length: int, strategy: str = "bfd", buffer_size: int = 1000
-) -> Dataset | PackedStream:
+) -> Dataset | IterableDataset:
     """Pack every list column of ``dataset`` into rows of at most ``max_length`` tokens.
 
     Same contract as ``trl.pack_dataset``: all list columns (``input_ids``, ``labels``, masks)
@@ -46,17 +44,18 @@ def pack_dataset(
     length, so shuffling before only reorders ties); with ``"wrapped"`` shuffle before packing.
 
     A ``datasets.IterableDataset`` is packed on the fly, ``buffer_size`` examples at a time, into a
-    :class:`~lit_memtrain.datamodules.streaming.PackedStream` (a resumable torch ``IterableDataset``
-    of rows): host memory stays flat however long the stream.
+    ``datasets.IterableDataset`` of rows, as ``trl.pack_dataset`` returns one (so ``.batch``, ``.map``,
+    ``.shuffle`` work on it): host memory stays flat however long the stream
+    (:func:`~lit_memtrain.datamodules.streaming.pack_iterable_dataset`).
     """
     check_max_length(max_length)
     check_strategy(strategy)
     import datasets
 
     if isinstance(dataset, datasets.IterableDataset):
-        from lit_memtrain.datamodules.streaming import PackedStream
+        from lit_memtrain.datamodules.streaming import pack_iterable_dataset
 
-        return PackedStream(dataset, max_length, strategy, buffer_size=buffer_size, shuffle=False)
+        return pack_iterable_dataset(dataset, max_length, strategy, buffer_size)
     schema = dataset.data.schema
     packed_names = list_columns(schema)
     if dataset._indices is None:  # not selected or shuffled: its table holds its rows, as they are

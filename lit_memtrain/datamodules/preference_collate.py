@@ -20,6 +20,7 @@ from lit_memtrain.datamodules.padding_free import PaddingFreeCollator
 from lit_memtrain.datamodules.batch import IGNORE_INDEX
 
 REFERENCE_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
+MARGIN_COLUMN = "margin"  # TRL's reward-model column: how far each pair's chosen reward should exceed its rejected
 
 
 def _sequences(pairs: Sequence[Mapping[str, Any]]) -> list[dict[str, list[int]]]:
@@ -42,7 +43,7 @@ class PreferenceCollator:
     - ``sequence_ids``: ``LongTensor`` shaped like ``input_ids``, the sequence (0 .. 2B-1) of each token:
       chosen of pair ``i`` is ``i``, rejected is ``B + i``; padding is ``2 B``.
     - ``num_pairs``: ``B``.
-    - ``ref_chosen_logps``, ``ref_rejected_logps``: ``FloatTensor [B]``, when the pairs carry them.
+    - ``ref_chosen_logps``, ``ref_rejected_logps``, ``margin``: ``FloatTensor [B]``, when the pairs carry them.
 
     Example:
         >>> collate = PreferenceCollator(pad_token_id=0)
@@ -69,7 +70,7 @@ class PreferenceCollator:
             rows = torch.arange(num_sequences)[:, None].expand_as(batch["input_ids"])
             batch["sequence_ids"] = rows.masked_fill(batch["attention_mask"] == 0, num_sequences)
         batch["num_pairs"] = len(pairs)
-        for name in REFERENCE_COLUMNS:
+        for name in (*REFERENCE_COLUMNS, MARGIN_COLUMN):
             if name in pairs[0]:
                 batch[name] = torch.tensor([float(pair[name]) for pair in pairs], dtype=torch.float32)
         return batch

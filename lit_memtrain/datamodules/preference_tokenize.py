@@ -16,9 +16,12 @@ Each side is tokenized as SFT tokenizes a prompt-completion pair
 string completions, the completion starting where the prompt's own tokens stop matching), and the prompt is
 the tokens both sides share, as TRL's ``DPOTrainer`` does. So one pair gives TRL's tokens.
 
-Truncation: ``max_prompt_length`` keeps the prompt's first (``keep_start``) or last (``keep_end``, nearest the
-answer) tokens; then ``max_length`` caps prompt + completion per side by cutting the completion's end. A
-prompt that leaves no room for a completion token is an error naming the fix, never a silently empty pair.
+Truncation, as TRL's ``DPOTrainer`` with ``truncation_mode="keep_start"``: each sequence (prompt + chosen,
+prompt + rejected, the eos of a completion counted) keeps its first ``max_length`` tokens, so the completions
+are cut at their end, each to its own length. A prompt that alone fills ``max_length`` leaves no completion
+token: such a pair comes back with empty completions, and the datamodule drops it (and counts it), as TRL
+drops it. Before that, ``max_prompt_length`` (not in TRL) keeps the prompt's first (``prompt_truncation=
+"keep_start"``) or last (``"keep_end"``, nearest the answer) tokens, so that long prompts are cut, not dropped.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any, Literal
 from lit_memtrain.datamodules.tokenize import ExampleError, required_field, tokenize_prompt_completion
 from lit_memtrain.datamodules.batch import IGNORE_INDEX
 
-TruncationMode = Literal["keep_start", "keep_end"]
+PromptTruncation = Literal["keep_start", "keep_end"]
 PREFERENCE_COLUMNS = ("chosen", "rejected")
 
 
@@ -82,16 +85,18 @@ def tokenize_preference(
     tokenizer: Any,
     max_length: int | None = None,
     max_prompt_length: int | None = None,
-    truncation_mode: TruncationMode = "keep_end",
+    prompt_truncation: PromptTruncation = "keep_end",
 ) -> dict[str, Any]:
     """Tokenize one preference pair and truncate it.
 
     Returns ``prompt_ids``, ``chosen_ids`` and ``rejected_ids`` (the completions, without the prompt) and
-    ``num_tokens``, the tokens of both sequences (prompt + chosen, prompt + rejected) before truncation.
+    ``num_tokens``, the tokens of both sequences (prompt + chosen, prompt + rejected) before truncation. When the
+    prompt (after ``max_prompt_length``) alone fills ``max_length``, both completions are empty: the pair has
+    nothing to train on.
 
     Raises:
         ExampleError: a missing value, mixed string and message values, a pair with no completion, or a
-            prompt that leaves no room for a completion token within ``max_length``.
+            completion that renders to no tokens.
     """
     chosen, rejected = required_field(example, "chosen"), required_field(example, "rejected")
     if "prompt" in example:  # a row of an explicit-prompt dataset: never extract a prompt from its completions
@@ -107,14 +112,9 @@ def tokenize_preference(
     num_tokens = 2 * len(prompt_ids) + len(chosen_ids) + len(rejected_ids)
     if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
         cut = len(prompt_ids) - max_prompt_length
-        prompt_ids = prompt_ids[:max_prompt_length] if truncation_mode == "keep_start" else prompt_ids[cut:]
-    if max_length is not None:
+        prompt_ids = prompt_ids[:max_prompt_length] if prompt_truncation == "keep_start" else prompt_ids[cut:]
+    if max_length is not None:  # each sequence keeps its first max_length tokens
+        prompt_ids = prompt_ids[:max_length]
         room = max_length - len(prompt_ids)
-        if room < 1:
-            raise ExampleError(
-                f"the prompt has {len(prompt_ids)} tokens, which leaves no room for a completion within "
-                f"max_length={max_length}. Set max_prompt_length below max_length (prompts are then cut, "
-                "keeping their start or end per truncation_mode), or raise max_length."
-            )
         chosen_ids, rejected_ids = chosen_ids[:room], rejected_ids[:room]
     return {"prompt_ids": prompt_ids, "chosen_ids": chosen_ids, "rejected_ids": rejected_ids, "num_tokens": num_tokens}

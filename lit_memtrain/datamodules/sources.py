@@ -159,7 +159,8 @@ def load_raw_dataset(
 
     With ``streaming`` the result reads its rows lazily (a ``datasets.IterableDataset`` per split): an
     in-memory dataset is turned into one, a ``save_to_disk`` directory is read from its Arrow files.
-    A JSON file that does not parse raises a ValueError naming its file, line and column.
+    A JSON file that does not parse raises a ValueError naming its file, line and column; a local file that is not
+    there (a name with a data file's suffix, or a path) a FileNotFoundError.
     """
     import datasets
 
@@ -175,6 +176,9 @@ def load_raw_dataset(
         return RawData(dataset, {})
     files = _local_files(dataset, data_files)
     path = Path(embedded_dataset_path() if dataset == EMBEDDED else dataset)
+    missing = _missing_file(dataset)
+    if missing is not None and not _hub_shaped(dataset):
+        raise missing
     try:
         if path.is_file():
             builder = FILE_BUILDERS.get(path.suffix.lower())
@@ -192,7 +196,31 @@ def load_raw_dataset(
                     loaded = datasets.IterableDatasetDict({k: v.to_iterable_dataset() for k, v in loaded.items()})
         else:
             loaded = datasets.load_dataset(dataset, dataset_config, data_files=data_files, streaming=streaming)
-    except Exception as error:  # noqa: BLE001 - re-raised, with the bad JSON line when there is one
+    except Exception as error:  # noqa: BLE001 - re-raised, with the bad JSON line or the missing file
         raise_for_invalid_json(tuple(f for split_files in files.values() for f in split_files), error)
+        if missing is not None:
+            raise missing from error
         raise
     return RawData(loaded, files)
+
+
+def _missing_file(dataset: str) -> FileNotFoundError | None:
+    """The error for ``dataset`` when it names a local file that is not there, else None.
+
+    Why: ``datasets`` tries a name it cannot find on disk as a Hub dataset, so a mistyped ``my_chats.jsonl`` ends in
+    "Couldn't reach 'my_chats.jsonl' on the Hub (LocalEntryNotFoundError)", after retries when online. A name with
+    a data file's suffix, or written as a path (``./``, ``../``, ``/``, ``~``), is a local file.
+    """
+    path = Path(dataset).expanduser()
+    if path.exists() or not (path.suffix.lower() in FILE_BUILDERS or dataset.startswith(("./", "../", "/", "~"))):
+        return None
+    return FileNotFoundError(
+        f"dataset {dataset!r}: no such file ({path.absolute()} does not exist). Check the path, relative to the "
+        "directory the command runs in."
+    )
+
+
+def _hub_shaped(dataset: str) -> bool:
+    """``owner/name``, as a Hub dataset is named (``data/chats.jsonl`` too: tried on the Hub before it is called
+    missing)."""
+    return dataset.count("/") == 1 and not dataset.startswith((".", "/", "~"))

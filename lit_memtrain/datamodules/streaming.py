@@ -15,10 +15,14 @@ window (``datasets`` restores the source's position), re-plans it (the plan is d
 skips the rows already emitted, so a resumed stream yields exactly the rows an uninterrupted one would.
 Rows are shuffled within each window by a generator seeded with ``(seed, pass, window)``.
 
+``SFTDataModule(streaming=True)`` reads a :class:`PackedStream` (with that resume); ``pack_dataset`` of a
+``datasets.IterableDataset`` gives the same rows as a ``datasets.IterableDataset``, as TRL does
+(:func:`pack_iterable_dataset`).
+
 Usage::
 
-    stream = pack_dataset(tokenized.to_iterable_dataset(), max_length=4096, buffer_size=1000)
-    loader = DataLoader(stream, batch_size=1, collate_fn=PaddingFreeCollator())
+    packed = pack_dataset(tokenized.to_iterable_dataset(), max_length=4096, buffer_size=1000)
+    loader = DataLoader(packed, batch_size=1, collate_fn=PaddingFreeCollator())
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import torch
 from lit_memtrain.datamodules.arrow_lists import is_list_type, list_lengths
 from lit_memtrain.datamodules.packing_plan import check_max_length, check_strategy
 from lit_memtrain.datamodules.sources import raise_for_invalid_json
-from lit_memtrain.datamodules.table_packing import pack_table
+from lit_memtrain.datamodules.table_packing import list_columns, pack_table
 from lit_memtrain.datamodules.tokenize import TokenCounts
 
 if TYPE_CHECKING:
@@ -134,6 +138,10 @@ class PackedStream(torch.utils.data.IterableDataset):
                 "PackedStream reads one stream in order and cannot be split across DataLoader workers; "
                 "use num_workers=0 (tokenization and packing then run in the training process)."
             )
+        yield from self._passes()
+
+    def _passes(self) -> Iterator[dict[str, np.ndarray]]:
+        """The rows from where the stream stands, pass after pass when it repeats."""
         position, self._resume = self._resume or _start_position(0), None
         while True:
             yield from self._one_pass(position)
@@ -231,6 +239,43 @@ class PackedStream(torch.utils.data.IterableDataset):
             carry_out = _row_as_carry(rows, least_full, self.strategy)
             order = np.delete(order, least_full)
         return rows, rng.permutation(order) if self.shuffle else order, carry_out, truncated
+
+
+def pack_iterable_dataset(
+    source: IterableDataset, max_length: int, strategy: str = "bfd", buffer_size: int = 1000
+) -> IterableDataset:
+    """``source`` packed on the fly as a ``datasets.IterableDataset`` of rows: what ``pack_dataset`` gives a stream.
+
+    Why a ``datasets.IterableDataset`` rather than the :class:`PackedStream` itself: ``trl.pack_dataset`` returns
+    one, and code written for it chains ``.batch``, ``.map``, ``.shuffle``, ``.with_format``, ``.take`` on the
+    result. The rows are the stream's (windows of ``buffer_size`` examples, not shuffled), as Python lists in
+    the source's format; the columns are the source's list columns and, for ``"bfd"`` / ``"bfd_split"``,
+    ``seq_lengths``, typed as the source's when it declares its features. Iterating again packs again, the
+    same rows. ``datasets`` gives the one shard to one DataLoader worker (any others stay idle), and its
+    ``state_dict`` resumes by skipping the rows already read.
+    """
+    import datasets
+
+    stream = PackedStream(source, max_length, strategy, buffer_size=buffer_size, shuffle=False)
+    features = None
+    if source.features is not None:  # a stream read from files may declare none until read
+        schema = source.features.arrow_schema
+        names = list_columns(schema)
+        fields = [schema.field(name) for name in names]
+        if strategy != "wrapped":
+            fields.append(pa.field("seq_lengths", pa.list_(pa.int32())))
+        features = datasets.Features.from_arrow_schema(pa.schema(fields))
+        features.update({name: source.features[name] for name in names})
+    packed = datasets.IterableDataset.from_generator(_python_rows, features=features, gen_kwargs={"stream": stream})
+    format_type = source._formatting.format_type if source._formatting is not None else None  # as TRL reads it
+    return packed if format_type is None else packed.with_format(format_type)
+
+
+def _python_rows(stream: PackedStream) -> Iterator[dict[str, list[int]]]:
+    """The rows of ``stream`` as Python lists, what a ``datasets`` generator yields. Without the worker refusal of
+    ``PackedStream.__iter__``: ``datasets`` hands this generator, its only shard, to one worker alone."""
+    for row in stream._passes():
+        yield {name: values.tolist() for name, values in row.items()}
 
 
 def _start_position(pass_index: int) -> dict[str, Any]:

@@ -85,8 +85,9 @@ def _target_modules(model: nn.Module, settings: LoraSettings) -> str | list[str]
     return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
 
 
-def apply_lora(model: PreTrainedModel, settings: LoraSettings) -> nn.Module:
-    """Wrap ``model`` in a PEFT LoRA model; only the adapter weights train."""
+def apply_lora(model: PreTrainedModel, settings: LoraSettings, task_type: str = "CAUSAL_LM") -> nn.Module:
+    """Wrap ``model`` in a PEFT LoRA model; only the adapter weights train (and, with PEFT's ``task_type="SEQ_CLS"``
+    for a sequence-classification model, its whole ``score`` head)."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     if settings.quantize:
@@ -96,7 +97,7 @@ def apply_lora(model: PreTrainedModel, settings: LoraSettings) -> nn.Module:
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
         target_modules=_target_modules(model, settings),
-        task_type="CAUSAL_LM",
+        task_type=task_type,
     )
     return get_peft_model(model, config)
 

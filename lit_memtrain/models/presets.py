@@ -1,7 +1,9 @@
 """Named model shapes for building a causal LM with random weights from a config.
 
 Why: tests, the quickstart and the memory planner need real architectures without downloading
-weights. A preset is the published shape of a model family member (or a tiny one for tests);
+weights. A preset is the published shape of a model family member (or a tiny one for tests), its
+vocabulary included: a run that reads another tokenizer keeps it (the tokenizer must fit inside it, see
+:func:`~lit_memtrain.models.builder.causal_lm_config`), since the LM head is a large part of a model's memory.
 ``build_config`` turns a preset plus overrides into a ``transformers`` config.
 """
 

@@ -18,6 +18,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torchmetrics import MeanMetric
+from torchmetrics.metric import CompositionalMetric
 from transformers import PreTrainedModel
 
 from lit_memtrain.datamodules.batch import IGNORE_INDEX, batch_targets, model_inputs
@@ -25,10 +26,11 @@ from lit_memtrain.models.builder import ModelRecipe, build_sharded_training_mode
 from lit_memtrain.models.builder import export_hf_directory, export_sharded_hf_directory
 from lit_memtrain.models.lora import LoraSettings, head_weight
 from lit_memtrain.models.moe import load_balancing_loss, router_aux_coefficient
-from lit_memtrain.objectives.checkpoint_io import lit_memtrain_class_path
+from lit_memtrain.objectives.checkpoint_io import lit_memtrain_class_path, saved_vocabulary
 from lit_memtrain.objectives.optim import optimizer_and_schedule, plain_spec
 from lit_memtrain.objectives.probes import LogitTransform, SetupProbes
-from lit_memtrain.objectives.step_tokens import count_step_tokens_during_fit, micro_batch_mean, step_trainable_tokens
+from lit_memtrain.objectives.step_tokens import count_step_tokens_during_fit, micro_batch_mean
+from lit_memtrain.objectives.step_tokens import resume_scheduled_accumulation, step_trainable_tokens
 from lit_memtrain.objectives.throughput import ThroughputMeter, count_tokens
 from lit_memtrain.parallel.fsdp import is_sharded, run_inside_forward
 from lit_memtrain.techniques.attention import (
@@ -48,8 +50,9 @@ class CausalLMModule(LightningModule):
         preset: a preset name from :data:`lit_memtrain.models.presets.PRESETS` (random weights), used when
             ``model`` is not given; ``config`` may be a dict with ``model_type`` instead.
         config_overrides: config values applied on top of the preset (for example ``num_hidden_layers``).
-        tokenizer: tokenizer to export with the model (linked to the datamodule's by the CLI). A model built
-            from a preset takes its vocabulary size from it unless ``config_overrides`` sets ``vocab_size``.
+        tokenizer: tokenizer to export with the model (linked to the datamodule's by the CLI). A preset keeps
+            its own vocabulary (``config_overrides`` may set ``vocab_size``) and the tokenizer must fit inside it;
+            a config dict that names no ``vocab_size`` takes the tokenizer's length.
         dtype: parameter dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto`` (the checkpoint's).
         attn_implementation: ``sdpa``, ``eager``, ``flex_attention``, ``flash_attention_2``, a hub kernel such
             as ``kernels-community/flash-attn``, or ``sdpa_by_document`` / ``varlen_by_document`` (per packed
@@ -78,11 +81,12 @@ class CausalLMModule(LightningModule):
         trust_remote_code: passed to ``from_pretrained`` / ``from_config``.
 
     Each optimizer step trains on the mean loss of all its trainable target tokens, over its micro-batches and
-    ranks (:mod:`~lit_memtrain.objectives.step_tokens`). Logged: ``train/loss`` and ``train/ppl`` (each
-    micro-batch's own mean), ``train/tokens`` and the throughput (``ThroughputMeter`` of
-    :mod:`~lit_memtrain.objectives.throughput`), ``val/loss``, ``val/ppl`` and ``val/token_accuracy``. The model is
-    built in :meth:`configure_model` (outside a ``Trainer``, call it first); :meth:`run_setup_probes` checks once
-    that the chunked loss computes the model's own logits and that packed documents stay apart.
+    ranks (:mod:`~lit_memtrain.objectives.step_tokens`; also under a ``GradientAccumulationScheduler``). Logged:
+    ``train/loss`` and ``train/ppl`` (each micro-batch's own mean), ``train/tokens`` and the throughput
+    (``ThroughputMeter`` of :mod:`~lit_memtrain.objectives.throughput`), ``val/loss``, ``val/ppl`` and
+    ``val/token_accuracy`` (over the whole validation set, every rank's tokens). The model is built in
+    :meth:`configure_model` (outside a ``Trainer``, call it first); :meth:`run_setup_probes` checks once that the
+    chunked loss computes the model's own logits and that packed documents stay apart.
 
     Example:
         >>> module = CausalLMModule(preset="tiny-qwen3", tokenizer="lit-memtrain/embedded")
@@ -149,8 +153,11 @@ class CausalLMModule(LightningModule):
         self.strict_loading = not self.adapter_only_checkpoints
         self.throughput = ThroughputMeter()
         self.setup_probes = SetupProbes()
-        self.val_token_nll = MeanMetric()
-        self.val_token_accuracy = MeanMetric()
+        token_nll = MeanMetric()
+        # What on_validation_epoch_end logs as val/<name>: torchmetrics, summed over every rank when computed.
+        self.val_metrics = torch.nn.ModuleDict(
+            {"loss": token_nll, "ppl": CompositionalMetric(torch.exp, token_nll, None), "token_accuracy": MeanMetric()}
+        )
         self._restore_dataloader_processing: Callable[[], None] | None = None
         self._first_loss: Tensor | None = None
         self._last_loss: Tensor | None = None
@@ -365,6 +372,7 @@ class CausalLMModule(LightningModule):
         return loss
 
     def on_train_start(self) -> None:
+        resume_scheduled_accumulation(self.trainer)
         self.throughput.start(self.device, self.trainer.global_step)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -410,21 +418,23 @@ class CausalLMModule(LightningModule):
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Tensor]:
         losses, correct, positions = self.token_losses(batch)
         if losses.numel():
-            self.val_token_nll.update(losses)
-            self.val_token_accuracy.update(correct.float())
+            self.val_metrics["loss"].update(losses)
+            self.val_metrics["token_accuracy"].update(correct.float())
         loss = losses.mean() if losses.numel() else losses.sum()
         return {"loss": loss, "token_losses": losses, "token_positions": positions}
 
+    def on_validation_epoch_start(self) -> None:
+        # Lightning resets logged metrics inside its evaluation context: states made under inference mode could not
+        # be updated under no_grad (a later validation on gloo, or with inference_mode=False).
+        with torch.inference_mode(False):
+            for metric in self.val_metrics.values():
+                metric.reset()
+
     def on_validation_epoch_end(self) -> None:
-        if self.val_token_nll.update_count == 0:
-            return
-        nll = self.val_token_nll.compute()
-        self.log("val/loss", nll, prog_bar=True)
-        self.log("val/ppl", torch.exp(nll))
-        self.log("val/token_accuracy", self.val_token_accuracy.compute())
-        with torch.inference_mode(False):  # states made under inference mode could not be updated under no_grad
-            self.val_token_nll.reset()
-            self.val_token_accuracy.reset()
+        # The metric objects are logged, on every rank: Lightning computes each once, over every rank's updates (the
+        # value of the whole validation set), and does not ask for sync_dist as it does of a tensor logged here.
+        for name, metric in self.val_metrics.items():
+            self.log(f"val/{name}", metric, prog_bar=name == "loss")
 
 
     @property
@@ -468,6 +478,15 @@ class CausalLMModule(LightningModule):
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        shapes = {key: tensor.shape for key, tensor in checkpoint.get("state_dict", {}).items()}
+        vocabulary = saved_vocabulary(self.hparams, shapes).get("config_overrides", {}).get("vocab_size")
+        built = self.model.get_input_embeddings().weight.shape[0] if self.model is not None else None
+        if vocabulary is not None and built is not None and not is_sharded(self.model) and vocabulary != built:
+            raise ValueError(
+                f"The checkpoint's model has a vocabulary of {vocabulary} rows and this one {built} (the preset's): "
+                "before lit-memtrain 0.2 a preset model took its tokenizer's vocabulary. Resume it with "
+                f"model.config_overrides.vocab_size: {vocabulary}."
+            )
         counters = checkpoint.get("lit_memtrain", {})
         self.train_tokens_seen = counters.get("train_tokens_seen", 0)
         self.first_train_loss = counters.get("first_train_loss")

@@ -20,7 +20,8 @@ The reference model is never a second copy of the model:
   initial model's values. A dataset that already has TRL's ``ref_chosen_logps`` / ``ref_rejected_logps``
   columns is used as is.
 - ``adapter_disabled`` (LoRA only): each step also runs the same model with the adapter disabled, without
-  gradients: the base model is the reference.
+  gradients: the base model is the reference. A batch that carries ``ref_*_logps`` columns is refused: which
+  of the two references the user meant cannot be told.
 """
 
 from __future__ import annotations
@@ -31,15 +32,21 @@ import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
+from torchmetrics import MeanMetric
 
 from lit_memtrain.datamodules.batch import IGNORE_INDEX, shift_targets
 from lit_memtrain.datamodules.preference_collate import REFERENCE_COLUMNS
 from lit_memtrain.objectives.causal_lm import CausalLMModule
 from lit_memtrain.objectives.preference_loss import LOSS_TYPES, PreferenceLossType, preference_loss
+from lit_memtrain.objectives.step_tokens import step_window
 from lit_memtrain.techniques.logprobs import chunked_token_log_probs, token_log_probs
 
 ReferenceMode = Literal["auto", "precomputed", "adapter_disabled"]
 _PREFERENCE_KEYS = ("sequence_ids", "num_pairs", *REFERENCE_COLUMNS)
+# What pair_loss reports besides the loss, and DPOModule logs (TRL's names).
+_PAIR_METRICS = (
+    "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected",
+)  # fmt: skip
 
 
 class DPOModule(CausalLMModule):
@@ -58,8 +65,10 @@ class DPOModule(CausalLMModule):
 
     Logged (``train/`` and ``val/``): ``loss``, ``rewards/chosen``, ``rewards/rejected``,
     ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``, ``logps/rejected``: the names TRL's
-    ``DPOTrainer`` logs. The training loss is the mean over each micro-batch's pairs (with gradient
-accumulation, the mean of the micro-batches' means, as in TRL).
+    ``DPOTrainer`` logs. The training loss is the mean over each micro-batch's pairs; with gradient accumulation
+    a step trains on the mean of its micro-batches' means, as in TRL, an epoch's last, shorter step included (and
+    under data parallelism, the mean over the ranks). The ``val/`` values are over the whole validation set, every
+    rank's pairs, each pair weighing the same.
 
     Example:
         >>> module = DPOModule(preset="tiny-qwen3", tokenizer="lit-memtrain/embedded", beta=0.1)
@@ -88,6 +97,7 @@ accumulation, the mean of the micro-batches' means, as in TRL).
             )
         self.reference_mode = reference if reference != "auto" else ("adapter_disabled" if self.lora else "precomputed")
         self.reference_logps: dict[str, tuple[Tensor, Tensor]] = {}
+        self.val_metrics = torch.nn.ModuleDict({name: MeanMetric() for name in ("loss", *_PAIR_METRICS)})
         self._first_margin: Tensor | None = None
         self._last_margin: Tensor | None = None
 
@@ -121,18 +131,29 @@ accumulation, the mean of the micro-batches' means, as in TRL).
         )
 
     def batch_reference_logps(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
-        """The reference's chosen and rejected log-probabilities of a batch's pairs, each ``[B]``."""
-        if all(name in batch for name in REFERENCE_COLUMNS):
-            return batch["ref_chosen_logps"], batch["ref_rejected_logps"]
-        if self.reference_mode != "adapter_disabled":
+        """The reference's chosen and rejected log-probabilities of a batch's pairs, each ``[B]``: the batch's
+        ``ref_chosen_logps`` / ``ref_rejected_logps`` (``precomputed``), or the model with its adapter disabled
+        (``adapter_disabled``), which refuses a batch that carries those columns: two references, and neither
+        may be picked silently."""
+        carried = [name for name in REFERENCE_COLUMNS if name in batch]
+        if self.reference_mode == "adapter_disabled":
+            if carried:
+                raise ValueError(
+                    f"The batch carries precomputed reference log-probabilities ({', '.join(carried)}), but "
+                    f"reference={self.hparams.reference!r} (with lora, 'auto' is 'adapter_disabled') takes the "
+                    "reference from the base model with the adapter disabled, at each step. To use the columns, set "
+                    "reference='precomputed'; to use the base model, remove the columns from the dataset."
+                )
+            with torch.no_grad(), self.model.disable_adapter():
+                logps, _ = self.sequence_logps(batch)
+            return logps.chunk(2)
+        if len(carried) < len(REFERENCE_COLUMNS):
             raise RuntimeError(
                 "The batch has no reference log-probabilities (ref_chosen_logps / ref_rejected_logps). With "
                 "reference='precomputed' DPOModule computes them at fit start for a PreferenceDataModule; with other "
                 "data, add those columns to the dataset, or train a LoRA adapter (reference='adapter_disabled')."
             )
-        with torch.no_grad(), self.model.disable_adapter():
-            logps, _ = self.sequence_logps(batch)
-        return logps.chunk(2)
+        return batch["ref_chosen_logps"], batch["ref_rejected_logps"]
 
     def pair_loss(self, batch: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
         """Mean loss over the batch's pairs, and the metrics TRL logs."""
@@ -215,7 +236,8 @@ accumulation, the mean of the micro-batches' means, as in TRL).
         """Validating a trained model (``stage="validate"``, after the datamodule's setup and before its loaders
         are built): only reference values computed before its training, kept in its checkpoint, are the
         reference's, so those are applied and none computed; without them each batch raises a clear error.
-        (Unlike CausalLMModule, nothing is arranged for fit: the loss is a mean over pairs, not over tokens.)"""
+        For fit, as for CausalLMModule, each training batch is tagged with its optimizer step (how many
+        micro-batches it has: fewer at the end of an epoch)."""
         context_parallel = getattr(self.trainer.strategy, "context_parallel_size", 1)
         if context_parallel > 1:  # shard_batch would refuse sequence_ids with advice that does not apply to DPO
             raise ValueError(
@@ -224,10 +246,12 @@ accumulation, the mean of the micro-batches' means, as in TRL).
                 "sequence shards do not hold. Use FSDP2Strategy (with cpu_offload, checkpointing and tiled MLP for "
                 "long pairs)."
             )
+        super().setup(stage)
         if stage == "validate" and self.reference_mode == "precomputed":
             self.precompute_reference_logps(compute=False)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        window = step_window(batch, self.trainer)
         loss, metrics = self.pair_loss(batch)
         pairs = int(batch["num_pairs"])
         if self._first_loss is None:
@@ -237,14 +261,17 @@ accumulation, the mean of the micro-batches' means, as in TRL).
         for name, value in metrics.items():
             self.log(f"train/{name}", value, prog_bar=name == "rewards/margins", batch_size=pairs)
         self.log("train/tokens", self.throughput.tokens_seen_metric(), batch_size=pairs)
+        if window.micro_batches < window.accumulate_grad_batches:
+            # Lightning divides what this returns by accumulate_grad_batches, also in an epoch's last, shorter step:
+            # there the step trains on the mean of its fewer micro-batches' means (TRL divides by those it has).
+            loss = loss * (window.accumulate_grad_batches / window.micro_batches)
         return loss
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         loss, metrics = self.pair_loss(batch)
         pairs = int(batch["num_pairs"])
-        self.log("val/loss", loss, prog_bar=True, batch_size=pairs)
-        for name, value in metrics.items():
-            self.log(f"val/{name}", value, batch_size=pairs)
+        for name, value in {"loss": loss, **metrics}.items():
+            self.val_metrics[name].update(value, weight=pairs)  # a sum over the batch's pairs
         return loss
 
     def on_train_end(self) -> None:

@@ -11,7 +11,8 @@ gradients, and either returns what it found or raises an error that says what to
   model's logits then show what it does after the head (``scale``, then ``softcap``), and the head's own
   input and output show that the chunked path's hidden states and weight are the ones the model uses.
 - :func:`probe_document_isolation`: two documents packed in one padding-free row must give the logits each
-  gives alone; attention implementations this project's tests prove (:data:`PROVEN_DOCUMENT_ATTENTION`) skip it.
+  gives alone (a model without an LM head, such as a reward model, its decoder's last hidden states); attention
+  implementations this project's tests prove (:data:`PROVEN_DOCUMENT_ATTENTION`) skip it.
 
 :class:`SetupProbes` runs each once for a module and keeps the verdicts its loss reads.
 """
@@ -188,13 +189,31 @@ def _fit_transform(model: nn.Module, designed: Tensor, logits: Tensor) -> LogitT
     return transform
 
 
+def _per_token_outputs(model: nn.Module, inputs: dict[str, Any]) -> Tensor:
+    """What ``model`` computes at every token: a causal LM's logits; for a model without an LM head (a
+    sequence-classification model pools one position per row), its decoder's last hidden states."""
+    if model.get_output_embeddings() is not None:
+        return model(**inputs).logits.float()
+    seen: dict[str, Tensor] = {}
+
+    def on_decoder(module: nn.Module, args: Any, output: Any) -> None:
+        seen["hidden"] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+
+    hook = model.get_decoder().register_forward_hook(on_decoder)
+    try:
+        model(**inputs)
+    finally:
+        hook.remove()
+    return seen["hidden"].float()
+
+
 def probe_document_isolation(
     model: nn.Module, model_inputs: Callable[[dict[str, Any]], dict[str, Any]], attn_implementation: str
 ) -> None:
     """Check that two documents packed in one padding-free row get the logits each gets alone.
 
     Args:
-        model: the causal LM.
+        model: the causal LM, or a model with another head on its decoder (compared on its last hidden states).
         model_inputs: turns a padding-free batch (``input_ids``, ``position_ids`` restarting per document,
             ``cu_seq_lens_q/k``, ``max_length_q/k``) into the model's keyword arguments, as training does.
         attn_implementation: named in the error.
@@ -215,8 +234,8 @@ def probe_document_isolation(
         "max_length_k": max(_DOCUMENT_LENGTHS),
     }
     with _EvalMode(model):
-        together = model(**model_inputs(packed)).logits.float()
-        alone = torch.cat([model(input_ids=ids, use_cache=False).logits.float() for ids in documents], dim=1)
+        together = _per_token_outputs(model, model_inputs(packed))
+        alone = torch.cat([_per_token_outputs(model, {"input_ids": ids, "use_cache": False}) for ids in documents], 1)
     error = _relative_error(together, alone)
     # Packing changes only the kernels' summation order (1e-7 in fp32); a document seeing its neighbour moves
     # its logits by tens of percent (0.6 on the tiny test models).

@@ -171,6 +171,11 @@ class ContextParallelStrategy(FSDP2Strategy):
 
     @override
     def setup_environment(self) -> None:
+        try:
+            datamodule = self.lightning_module.trainer.datamodule
+        except (AttributeError, RuntimeError):  # no module, or one outside a Trainer: no data to check
+            datamodule = None
+        self.check_datamodule(datamodule)
         if self._uses_torch_ring() and self.root_device.type != "cuda":
             raise ValueError(
                 f"ring_backend='torch' runs torch's ring kernels, on CUDA only; this run is on {self.root_device.type}. "
@@ -184,6 +189,29 @@ class ContextParallelStrategy(FSDP2Strategy):
             config = causal_lm_config(recipe, getattr(self.lightning_module, "tokenizer", None))
             check_context_parallel(config, self.context_parallel_size, self.method)
         super().setup_environment()
+
+    def check_datamodule(self, datamodule: Any) -> None:
+        """Refuse a datamodule that pads its batches: each row is split over the ranks of a group, which needs
+        padding-free rows (documents kept apart by their positions).
+
+        Called when the environment is set up, before any data is read or model built (the first sharded batch
+        would show it only after both), and by ``lit-memtrain`` before it launches the ranks. A datamodule says how
+        it batches with ``padding_free`` (``SFTDataModule``, ``PreferenceDataModule``); one that does not say is
+        checked on its first batch (:func:`~lit_memtrain.parallel.context_parallel.shard_batch`).
+
+        Raises:
+            ValueError: ``datamodule.padding_free`` is False, naming the options that fix it.
+        """
+        if self.context_parallel_size == 1 or getattr(datamodule, "padding_free", None) is not False:
+            return
+        options = "padding_free=True (--data.padding_free true)"
+        if hasattr(datamodule, "packing"):
+            options += " or packing=True (--data.packing true)"
+        raise ValueError(
+            f"ContextParallelStrategy splits each row over {self.context_parallel_size} ranks and needs padding-free "
+            f"batches (one row, documents kept apart by their positions), but {type(datamodule).__name__} pads its "
+            f"batches (padding_free=False): set {options}."
+        )
 
     @override
     def parallelize(self, model: nn.Module) -> nn.Module:

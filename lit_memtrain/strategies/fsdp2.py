@@ -12,7 +12,10 @@ LightningModule builds its model in ``configure_model`` and hands it to :meth:`F
 ``cpu_offload=True`` keeps the fp32 sharded parameters, their gradients and the optimizer state in host
 memory and runs the optimizer step on the CPU; the device holds the layer being computed (in the
 ``mixed_precision`` dtype), the root's parameters, and activations. On CUDA the host memory is pinned; on a
-machine without an accelerator it cannot be (``CPUOffloadPolicy(pin_memory=False)``).
+machine without an accelerator it cannot be (``CPUOffloadPolicy(pin_memory=False)``). The gradients then live
+on the host, so gradient clipping reduces their norm over a host tensor, which NCCL cannot carry: on CUDA the
+process group gets a gloo backend for host tensors beside NCCL (``"cuda:nccl,cpu:gloo"``) unless the user names
+a backend.
 """
 
 from __future__ import annotations
@@ -59,13 +62,15 @@ class FSDP2Strategy(ModelParallelStrategy):
             for its backward (``False``: every layer keeps them from its forward to its backward, one
             all-gather less per layer for the memory of all layers' gathered parameters).
         cpu_offload: keep sharded parameters, gradients and optimizer state in host memory (pinned on CUDA)
-            and step the optimizer there.
+            and step the optimizer there. On CUDA the default backend is then ``"cuda:nccl,cpu:gloo"``, so that
+            collectives over host tensors (the gradient norm of ``gradient_clip_val``) run.
         save_distributed_checkpoint: each rank writes its shards (a checkpoint directory); ``False`` gathers
             a single file on rank 0.
         start_method: ``"popen"`` relaunches the script once per extra device (like ``torchrun``);
             ``"fork"`` forks the current process (notebooks, tests; the trained weights come back to the
             calling process's module when it had built its model).
-        process_group_backend, timeout: as for :class:`~lightning.pytorch.strategies.ModelParallelStrategy`.
+        process_group_backend, timeout: as for :class:`~lightning.pytorch.strategies.ModelParallelStrategy`; a
+            ``process_group_backend`` given is used as is (``"nccl"`` alone with ``cpu_offload`` fails to clip).
 
     Example:
         >>> from lit_memtrain.strategies import FSDP2Strategy
@@ -171,6 +176,15 @@ class FSDP2Strategy(ModelParallelStrategy):
             self._launcher = _ForkLauncher(self)
         else:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def _get_process_group_backend(self) -> str:
+        """The backend ``setup_environment`` initialises: the user's, else ``"cuda:nccl,cpu:gloo"`` when
+        ``cpu_offload`` puts the gradients on the host of a CUDA run (NCCL alone cannot reduce their norm for
+        clipping), else Lightning's choice for the device (``nccl`` on CUDA, ``gloo`` on the CPU)."""
+        if self._process_group_backend is None and self.cpu_offload and self.root_device.type == "cuda":
+            return "cuda:nccl,cpu:gloo"
+        return super()._get_process_group_backend()
 
     @override
     def setup_environment(self) -> None:

@@ -16,11 +16,16 @@ trainable tokens of the whole optimizer step (all gradient-accumulation micro-ba
 micro-batches of different sizes weigh their tokens equally; ``None`` counts the trainable targets passed
 in. A count of 0 is treated as 1: a micro-batch whose labels are all ignored gives a loss of exactly 0.0
 that is still connected to the graph (zero gradients, no NaN, every rank still runs backward).
+
+:func:`selected_loss_chunks` runs only some of the chunks: the memory planner's hook
+(:mod:`lit_memtrain.planner.simulate`), whose fake tensors repeat from the second chunk on, so a few chunks give the
+peak of all (a million-token row has 1,024 chunks).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +33,7 @@ from torch import Tensor
 
 from lit_memtrain.datamodules.batch import IGNORE_INDEX
 from lit_memtrain.techniques.autocast import active_autocast_dtype
+from lit_memtrain.techniques.bounds_selection import Bounds, BoundsSelection
 from lit_memtrain.techniques.lm_head import (
     accumulate_linear_grads,
     chunk_logits,
@@ -37,7 +43,26 @@ from lit_memtrain.techniques.lm_head import (
     validate_targets,
 )
 
-__all__ = ["chunked_cross_entropy", "chunked_token_losses", "cross_entropy"]
+__all__ = ["chunked_cross_entropy", "chunked_token_losses", "cross_entropy", "selected_loss_chunks"]
+
+_selection = BoundsSelection()
+
+
+def selected_loss_chunks(select: Callable[[Bounds], Bounds]) -> contextlib.AbstractContextManager[None]:
+    """Run only the chunks ``select`` keeps of each chunked loss's ``[start, end)`` row bounds, while the context is
+    open.
+
+    For simulating memory on fake tensors (:func:`lit_memtrain.planner.simulate.tiles_simulated_once`): every chunk
+    after the first allocates and frees the same tensors while the previous chunk's last ones are still bound, so the
+    first three and the last give the peak of all. On real tensors the chunks left out are missing from the loss and
+    the gradients: never train inside this context.
+    """
+    return _selection.only(select)
+
+
+def _chunk_bounds(rows: int, chunk_size: int) -> list[tuple[int, int]]:
+    bounds = [(start, min(start + chunk_size, rows)) for start in range(0, rows, chunk_size)]
+    return _selection(bounds)
 
 
 def _validate_num_items(num_items: int | Tensor | None) -> None:
@@ -121,9 +146,9 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight else None
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if needs_bias else None
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for start in range(0, kept_rows.shape[0], chunk_size):
-            rows = kept_rows[start : start + chunk_size]
-            chunk_targets = kept_targets[start : start + chunk_size]
+        for start, end in _chunk_bounds(kept_rows.shape[0], chunk_size):
+            rows = kept_rows[start:end]
+            chunk_targets = kept_targets[start:end]
             hidden_rows = hidden.index_select(0, rows)
             logits = chunk_logits(hidden_rows, weight, bias, softcap, scale)
             lse = torch.logsumexp(logits, dim=1)

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from lit_memtrain.models.layers import wrap_forwards
+from lit_memtrain.techniques.bounds_selection import Bounds, BoundsSelection
 
 __all__ = [
     "DEFAULT_CHUNK_ELEMENTS",
@@ -50,11 +51,10 @@ __all__ = [
 DEFAULT_CHUNK_ELEMENTS = 2**24  # 64 MiB per fp32 temporary: thousands of tokens per chunk, few kernel launches
 _MARKER = "_lit_memtrain_chunked_rms_norm"
 _PROBE_TOKENS = 8
-_select: Callable[[list[tuple[int, int]]], list[tuple[int, int]]] | None = None
+_selection = BoundsSelection()
 
 
-@contextlib.contextmanager
-def selected_chunks(select: Callable[[list[tuple[int, int]]], list[tuple[int, int]]]) -> Iterator[None]:
+def selected_chunks(select: Callable[[Bounds], Bounds]) -> contextlib.AbstractContextManager[None]:
     """Run only the chunks ``select`` keeps of each chunked norm's ``[start, end)`` row bounds (forward and backward),
     while the context is open.
 
@@ -63,17 +63,12 @@ def selected_chunks(select: Callable[[list[tuple[int, int]]], list[tuple[int, in
     first, so the first three chunks and the last give the peak of all. On real tensors the chunks left out leave
     their rows of the output and of the gradients unwritten: never train inside this context.
     """
-    global _select
-    previous, _select = _select, select
-    try:
-        yield
-    finally:
-        _select = previous
+    return _selection.only(select)
 
 
 def _chunk_bounds(rows: int, rows_per_chunk: int) -> list[tuple[int, int]]:
     bounds = [(start, min(start + rows_per_chunk, rows)) for start in range(0, rows, rows_per_chunk)]
-    return bounds if _select is None else _select(bounds)
+    return _selection(bounds)
 
 
 class _ChunkedRMSNorm(torch.autograd.Function):

@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -44,12 +44,13 @@ from torch import Tensor, nn
 
 from lit_memtrain.techniques.autocast import active_autocast_dtype
 from lit_memtrain.models.layers import wrap_forwards
+from lit_memtrain.techniques.bounds_selection import Bounds, BoundsSelection
 
 __all__ = ["apply_tiled_mlp", "mlp_tiles", "selected_tiles", "validate_num_tiles"]
 
 _MIN_TILE_TOKENS = 1024
 _MARKER = "_lit_memtrain_tiled"
-_select: Callable[[list[tuple[int, int]]], list[tuple[int, int]]] | None = None
+_selection = BoundsSelection()
 
 
 def mlp_tiles(seq_len: int, hidden_size: int) -> int:
@@ -63,8 +64,7 @@ def validate_num_tiles(num_tiles: int | None) -> None:
         raise ValueError(f"num_tiles must be a positive int, or None to choose from the sequence; got {num_tiles!r}.")
 
 
-@contextlib.contextmanager
-def selected_tiles(select: Callable[[list[tuple[int, int]]], list[tuple[int, int]]]) -> Iterator[None]:
+def selected_tiles(select: Callable[[Bounds], Bounds]) -> contextlib.AbstractContextManager[None]:
     """Run only the tiles ``select`` keeps of each tiled call's ``[start, end)`` bounds, while the context is open.
 
     For simulating memory on fake tensors (what :func:`lit_memtrain.planner.simulate.tiles_simulated_once` does):
@@ -76,19 +76,14 @@ def selected_tiles(select: Callable[[list[tuple[int, int]]], list[tuple[int, int
         >>> with selected_tiles(lambda bounds: bounds[:2]):  # doctest: +SKIP
         ...     loss.backward()
     """
-    global _select
-    previous, _select = _select, select
-    try:
-        yield
-    finally:
-        _select = previous
+    return _selection.only(select)
 
 
 def _tile_bounds(length: int, num_tiles: int) -> list[tuple[int, int]]:
     num_tiles = min(num_tiles, length)
     size = math.ceil(length / num_tiles)
     bounds = [(start, min(start + size, length)) for start in range(0, length, size)]
-    return bounds if _select is None else _select(bounds)
+    return _selection(bounds)
 
 
 class _TiledFunction(torch.autograd.Function):

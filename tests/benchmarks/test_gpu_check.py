@@ -1,5 +1,8 @@
 """The GPU check (benchmarks/gpu/check.py) on the CPU: its dry run on a machine without the optional
-packages, its refusal without CUDA, and how the runner deals with parts that hang, crash or lack a package."""
+packages, its refusal without CUDA, and how the runner deals with parts that hang, crash or lack a package.
+
+The dry run (a minute of single-threaded processes) and the imports without the optional packages start early,
+in the background (``start_early``, tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -60,32 +63,68 @@ def check_module():
         sys.path.remove(str(GPU))
 
 
-def _environment(extra_path: Path | None = None) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def _variables(extra_path: Path | None = None) -> dict[str, str]:
     paths = [str(path) for path in (extra_path, ROOT) if path is not None]
-    env["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [os.environ.get("PYTHONPATH")])])
-    return env
+    python_path = os.pathsep.join([*paths, *filter(None, [os.environ.get("PYTHONPATH")])])
+    return {"OMP_NUM_THREADS": "1", "PYTHONPATH": python_path}
 
 
-def test_dry_run_without_the_optional_packages_runs_every_part_and_writes_the_report(tmp_path):
-    bare = tmp_path / "bare"
-    bare.mkdir()
-    (bare / "sitecustomize.py").write_text(_WITHOUT_PACKAGES.format(absent=ABSENT))
+def _environment(extra_path: Path | None = None) -> dict[str, str]:
+    return dict(os.environ, **_variables(extra_path))
+
+
+def _bare(directory: Path, absent: tuple[str, ...]) -> Path:
+    """A directory whose sitecustomize.py hides the ``absent`` packages from a python started with it on its path
+    (written once: the run started early may be reading it when its test asks for the same directory)."""
+    site = directory / "sitecustomize.py"
+    if not site.exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        site.write_text(_WITHOUT_PACKAGES.format(absent=absent))
+    return directory
+
+
+def _dry_run(python) -> tuple[tuple[str, ...], dict]:
+    """``check.py --dry-run`` in a fresh python that lacks the optional packages, in a directory of the session."""
+    directory = python.directory / "gpu-check"
+    bare = _bare(directory / "bare", ABSENT)
+    return (str(GPU / "check.py"), str(directory / "out"), "--dry-run"), {
+        "fresh": True, "env": _variables(bare), "cwd": str(directory),
+    }  # fmt: skip
+
+
+def _imports(python) -> tuple[tuple[str, ...], dict]:
+    """Importing the package and every GPU script in a fresh python that lacks matplotlib too."""
+    bare = _bare(python.directory / "gpu-check-imports", (*ABSENT, "matplotlib"))
+    modules = ["lit_memtrain", "lit_memtrain.objectives.causal_lm", "lit_memtrain.callbacks",
+               "lit_memtrain.planner.simulate", *sorted(path.stem for path in GPU.glob("*.py"))]  # fmt: skip
+    code = (f"import importlib, sys; sys.path.insert(0, {str(GPU)!r})\n"
+            f"for name in {modules!r}: importlib.import_module(name)")  # fmt: skip
+    return ("-c", code), {"fresh": True, "env": _variables(bare)}
+
+
+def start_early(python) -> None:
+    """Queued when collection ends (tests/conftest.py)."""
+    for run in (_dry_run, _imports):
+        args, options = run(python)
+        python.start(*args, **options)
+
+
+def test_dry_run_without_the_optional_packages_runs_every_part_and_writes_the_report(preloaded_python):
+    args, options = _dry_run(preloaded_python)
+    bare, out = Path(options["cwd"]) / "bare", Path(args[1])
     probe = subprocess.run(
         [sys.executable, "-c", "import importlib.util; assert importlib.util.find_spec('datasets') is None; import datasets"],
         capture_output=True, text=True, env=_environment(bare), timeout=60,
     )
     assert "No module named 'datasets'" in probe.stderr  # the emulation of a bare machine works
 
-    out = tmp_path / "out"
-    result = subprocess.run(
-        [sys.executable, str(GPU / "check.py"), str(out), "--dry-run"],
-        capture_output=True, text=True, env=_environment(bare), cwd=tmp_path, timeout=600,
-    )
+    result = preloaded_python.run(*args, **options, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     report = json.loads((out / "report.json").read_text())
     parts = {part["name"]: part for part in report["parts"]}
-    assert list(parts) == ["gpu tests", "offload", "packed attention", "planner", "fsdp2", "context parallel"]
+    assert list(parts) == ["gpu tests", "offload", "packed attention", "planner", "fsdp2", "context parallel",
+                           "grpo vllm"]
+    assert parts["grpo vllm"]["status"] == "skipped" and "vllm" in json.dumps(parts["grpo vllm"])  # not installed
     for name in ("gpu tests", "offload", "packed attention", "planner"):
         assert parts[name]["status"] == "passed", parts[name]
         assert all(item["passed"] for item in parts[name]["result"]["checks"])
@@ -112,19 +151,12 @@ def test_dry_run_without_the_optional_packages_runs_every_part_and_writes_the_re
     assert "[" in result.stdout and "offload: passed in" in result.stdout  # a progress line per part
 
 
-def test_the_package_and_every_gpu_script_import_without_the_optional_packages_and_matplotlib(tmp_path):
+def test_the_package_and_every_gpu_script_import_without_the_optional_packages_and_matplotlib(preloaded_python):
     """matplotlib is a declared dependency but not one of what a bare GPU machine has: only plots need it."""
-    bare = tmp_path / "bare"
-    bare.mkdir()
-    (bare / "sitecustomize.py").write_text(_WITHOUT_PACKAGES.format(absent=(*ABSENT, "matplotlib")))
-    modules = ["lit_memtrain", "lit_memtrain.objectives.causal_lm", "lit_memtrain.callbacks", "lit_memtrain.planner.simulate"]
-    modules += sorted(path.stem for path in GPU.glob("*.py"))
-    code = f"import importlib, sys; sys.path.insert(0, {str(GPU)!r})\nfor name in {modules!r}: importlib.import_module(name)"
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=_environment(bare), timeout=120
-    )
+    args, options = _imports(preloaded_python)
+    result = preloaded_python.run(*args, **options, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert {"check", "offload", "planner_vs_measured"} <= set(modules)
+    assert {"check", "offload", "planner_vs_measured"} <= {path.stem for path in GPU.glob("*.py")}
 
 
 def test_without_cuda_it_stops_at_once_with_a_clear_message(tmp_path):

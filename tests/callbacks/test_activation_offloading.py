@@ -6,8 +6,6 @@ CPU tests run the real path with ``offload_cpu_tensors_for_testing=True`` (host 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import warnings
 
 import lightning as L
@@ -275,14 +273,15 @@ print(json.dumps({
 """
 
 
-def test_simulated_peak_drops_by_the_offloaded_layer_inputs():
+def test_simulated_peak_drops_by_the_offloaded_layer_inputs(preloaded_python):
     """Qwen3-4B width, 3 checkpointed layers, 64k tokens, stash of 1: at the peak (the plain loss), every
     layer input but the stashed one has moved from the device to the host.
 
-    In a fresh process: the simulation's stand-in device must exist before the process's first backward.
+    In a child process of ``preloaded_python`` (tests/conftest.py): the simulation's stand-in device must exist
+    before the process's first backward.
     """
     pytest.importorskip("lit_memtrain.planner.simulate")
-    result = subprocess.run([sys.executable, "-c", _SIMULATION], capture_output=True, text=True, timeout=300)
+    result = preloaded_python.run("-c", _SIMULATION, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     measured = json.loads(result.stdout.strip().splitlines()[-1])
     layer_input = 65536 * 2560 * 2

@@ -20,8 +20,10 @@ import datasets
 import numpy as np
 import pyarrow as pa
 import pytest
+from torch.utils.data import DataLoader
 
 from lit_memtrain.datamodules.packing import pack_dataset
+from lit_memtrain.datamodules.padding_free import PaddingFreeCollator
 from lit_memtrain.datamodules.sft import SFTDataModule
 from lit_memtrain.datamodules.streaming import PackedStream
 
@@ -80,11 +82,51 @@ def test_a_stream_many_windows_long_accounts_for_every_token(strategy):
         assert Counter(map(len, (row["input_ids"] for row in rows)))[64] >= len(rows) - 2
 
 
-def test_pack_dataset_accepts_an_iterable_dataset_as_trl_does():
-    source = unique_tokens([5, 3, 9, 2, 6])
-    rows = list(pack_dataset(source.to_iterable_dataset(), 8, "bfd_split", buffer_size=2))
-    assert sorted(t for row in rows for t in row["input_ids"].tolist()) == list(range(25))
-    assert all(row["seq_lengths"].sum() == len(row["input_ids"]) for row in rows)
+@pytest.mark.parametrize("strategy", ["bfd", "bfd_split", "wrapped"])
+def test_pack_dataset_gives_a_stream_back_as_trl_does(strategy):
+    """TRL's own streaming test calls ``.batch`` on what ``pack_dataset`` returns for an ``IterableDataset``
+    (issue 22, point 6): the same type back, the same rows, the source's format kept."""
+    import trl
+
+    examples = {"input_ids": [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10], [11]],
+                "attention_mask": [[1, 1, 1, 0, 0], [1, 0], [1, 1, 0], [1]]}  # fmt: skip
+    ours = pack_dataset(datasets.Dataset.from_dict(examples).to_iterable_dataset(), 4, strategy)
+    theirs = trl.pack_dataset(datasets.Dataset.from_dict(examples).to_iterable_dataset(), 4, strategy)
+    assert isinstance(ours, datasets.IterableDataset)
+    assert next(iter(ours.batch(batch_size=4))) == next(iter(theirs.batch(batch_size=4)))
+    assert list(ours.features) == ["input_ids", "attention_mask"] + (["seq_lengths"] if strategy != "wrapped" else [])
+    torch_source = datasets.Dataset.from_dict(examples).to_iterable_dataset().with_format("torch")
+    assert next(iter(pack_dataset(torch_source, 4, strategy)))["input_ids"].tolist() == [1, 2, 3, 4]
+
+
+def test_a_packed_stream_maps_shuffles_resumes_and_loads_with_workers_as_a_datasets_stream():
+    source = unique_tokens([5, 3, 9, 2, 6] * 20)
+
+    def packed():
+        return pack_dataset(source.to_iterable_dataset(), 8, "bfd_split", buffer_size=7)
+
+    rows = [row["input_ids"] for row in packed()]
+    assert sorted(t for ids in rows for t in ids) == list(range(500))
+    mapped = packed().map(lambda row: {"tokens": len(row["input_ids"])})
+    assert [row["tokens"] for row in mapped] == list(map(len, rows))
+    shuffled = [row["input_ids"] for row in packed().shuffle(seed=0, buffer_size=100)]
+    assert shuffled != rows and sorted(shuffled) == sorted(rows)
+    first = packed()
+    head = [row["input_ids"] for row in itertools.islice(first, 9)]
+    resumed = packed()
+    resumed.load_state_dict(first.state_dict())
+    assert head + [row["input_ids"] for row in resumed] == rows
+    loader = DataLoader(packed(), batch_size=1, num_workers=2, collate_fn=PaddingFreeCollator())
+    assert [batch["input_ids"][0].tolist() for batch in loader] == rows  # one shard: one worker reads it all
+
+
+def test_a_stream_that_declares_no_features_packs_into_python_lists(tmp_path):
+    path = tmp_path / "tokens.jsonl"
+    path.write_text("".join(json.dumps({"input_ids": list(range(i, i + 5)), "id": i}) + "\n" for i in range(0, 50, 5)))
+    source = datasets.load_dataset("json", data_files=str(path), streaming=True)["train"]
+    rows = list(pack_dataset(source, 16, "bfd"))
+    assert all(type(row["input_ids"]) is list and list(row) == ["input_ids", "seq_lengths"] for row in rows)
+    assert sorted(t for row in rows for t in row["input_ids"]) == list(range(50))
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -52,7 +52,7 @@ def test_quickstart_config_parses_and_links_the_tokenizer():
     assert cli.model.hparams.tokenizer == cli.datamodule.tokenizer_name == "lit-memtrain/embedded"
     assert cli.datamodule.max_length == 64
     cli.model.configure_model()
-    assert cli.model.model.config.vocab_size == len(cli.datamodule.tokenizer)
+    assert cli.model.model.config.vocab_size == 512 > len(cli.datamodule.tokenizer)  # the preset's vocabulary
 
 
 def test_fit_help_runs_as_a_console_command():
@@ -100,7 +100,9 @@ def test_lengths_profiles_the_sequences_of_preference_pairs_as_training_builds_t
           "--candidates=[16, 32]", f"--histogram={histogram}"])  # fmt: skip
     out = capsys.readouterr().out
 
-    trained = PreferenceDataModule(dataset=str(data), max_length=4096, max_prompt_length=12)  # no sequence is cut
+    trained = PreferenceDataModule(  # no sequence is cut
+        dataset=str(data), max_length=4096, max_prompt_length=12, prompt_truncation="keep_end"
+    )
     trained.setup("fit")
     row = trained.collator()(list(trained.train_dataset))
     lengths = np.diff(row["cu_seq_lens_q"].numpy())

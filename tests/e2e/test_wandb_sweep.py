@@ -70,7 +70,7 @@ def test_an_agent_command_parses_to_the_sampled_values(checkpointing, packing, m
     assert cli.model.hparams.loss_chunk_size == 256
     assert cli.datamodule.packing is packing
     assert cli.model.hparams.attn_implementation == sampled["model.attn_implementation"]
-    callbacks = [c for c in cli.trainer.callbacks if type(c).__module__.startswith("lit_memtrain")]
+    callbacks = [c for c in cli.trainer.callbacks if type(c).__module__.startswith("lit_memtrain.callbacks")]
     assert [type(c) for c in callbacks[:2]] == [MemoryMonitor, MemoryBoundedThroughput]
     if checkpointing == "[]":
         assert len(callbacks) == 2

@@ -100,7 +100,12 @@ OLD_CHECKPOINTS = Path(__file__).parents[1] / "fixtures" / "checkpoints_0_1"
 
 @pytest.mark.parametrize(
     ("name", "module_class"),
-    [("causal_lm_lora.ckpt", CausalLMModule), ("dpo.ckpt", DPOModule), ("fsdp2_lora.ckpt", CausalLMModule)],
+    [
+        ("causal_lm_lora.ckpt", CausalLMModule),
+        ("dpo.ckpt", DPOModule),
+        ("fsdp2_lora.ckpt", CausalLMModule),
+        ("causal_lm_embedded_tokenizer.ckpt", CausalLMModule),  # a preset that took the tokenizer's 384 rows
+    ],
 )
 def test_checkpoints_written_before_the_move_load_and_export_the_same_model(name, module_class, tmp_path):
     module = load_checkpoint(OLD_CHECKPOINTS / name)
@@ -108,9 +113,27 @@ def test_checkpoints_written_before_the_move_load_and_export_the_same_model(name
     assert module.lora == (LoraSettings(r=2, alpha=4) if "lora" in name else None)
     ids = torch.arange(10)[None]
     expected = torch.load(OLD_CHECKPOINTS / "expected_logits.pt")[name]  # what 0.1 computed from this checkpoint
-    with torch.no_grad():
-        assert torch.equal(module.model.eval()(input_ids=ids, use_cache=False).logits[0, :, :8], expected)
+    with torch.no_grad():  # the same weights: equal up to the float rounding of this machine's kernels
+        logits = module.model.eval()(input_ids=ids, use_cache=False).logits[0, :, :8]
+        torch.testing.assert_close(logits, expected, rtol=1e-6, atol=1e-6)
     main(["export", "--checkpoint", str(OLD_CHECKPOINTS / name), "--output", str(tmp_path / "export")])
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
     with torch.no_grad():
         torch.testing.assert_close(exported(input_ids=ids).logits[0, :, :8], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_resuming_a_checkpoint_whose_preset_took_the_tokenizers_vocabulary_says_what_to_set(tmp_path):
+    """Lightning's resume builds the model from the config before it reads the checkpoint: the 0.1 preset model of 384
+    rows cannot be trained on as the 512-row preset; the error names the override that resumes it."""
+    small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+             "num_key_value_heads": 1, "head_dim": 16}  # fmt: skip
+    old = OLD_CHECKPOINTS / "causal_lm_embedded_tokenizer.ckpt"
+    module = CausalLMModule(preset="tiny-qwen3", config_overrides=small, tokenizer="lit-memtrain/embedded")
+    with pytest.raises(ValueError, match="config_overrides.vocab_size: 384"):
+        _trainer(tmp_path, max_steps=3).fit(module, _loader(), ckpt_path=old)
+    module = CausalLMModule(preset="tiny-qwen3", config_overrides={**small, "vocab_size": 384},
+                            tokenizer="lit-memtrain/embedded")  # fmt: skip
+    trainer = _trainer(tmp_path, max_steps=3)
+    trainer.fit(module, DataLoader([{"input_ids": torch.arange(12)[None], "labels": torch.arange(12)[None]}] * 4,
+                                   batch_size=None), ckpt_path=old)  # fmt: skip
+    assert trainer.global_step == 3

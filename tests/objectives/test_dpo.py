@@ -217,3 +217,26 @@ def test_context_parallelism_is_refused_with_a_clear_error_before_any_work():
     with pytest.raises(ValueError, match=r"DPOModule does not support context parallelism .*Use FSDP2Strategy"):
         module.setup("fit")
     assert module.model is None
+
+
+def test_adapter_disabled_refuses_a_batch_that_carries_precomputed_reference_columns(saved_model):
+    """A dataset with TRL's ref_*_logps columns and a LoRA module (reference 'auto': 'adapter_disabled'): the
+    columns used to be taken silently instead of the base model. Refused, naming the fix; with
+    reference='precomputed' the columns are the reference."""
+    reference = {"ref_chosen_logps": [-20.0, -21.0, -22.0, -23.0], "ref_rejected_logps": [-24.0, -25.0, -26.0, -27.0]}
+    data = _conversational()
+    for name, values in reference.items():
+        data = data.add_column(name, values)
+    trainer = Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False)
+    module = _module(saved_model, lora=LoraSettings(r=4, alpha=8))
+    with pytest.raises(ValueError, match=r"carries precomputed reference log-probabilities \(ref_chosen_logps, "
+                                         r"ref_rejected_logps\), but reference='auto' \(with lora, 'auto' is "
+                                         r"'adapter_disabled'\).* set reference='precomputed'"):
+        trainer.fit(module, datamodule=PreferenceDataModule(dataset=data, batch_size=4, max_length=512))
+    datamodule = PreferenceDataModule(dataset=data, batch_size=4, max_length=512)
+    datamodule.setup("fit")
+    batch = datamodule.collator()([datamodule.datasets["train"][i] for i in range(len(PAIRS))])
+    precomputed = _module(saved_model, lora=LoraSettings(r=4, alpha=8), reference="precomputed")
+    chosen, rejected = precomputed.batch_reference_logps(batch)
+    assert chosen.tolist() == reference["ref_chosen_logps"] and rejected.tolist() == reference["ref_rejected_logps"]

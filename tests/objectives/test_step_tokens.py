@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader
 
 from lit_memtrain.datamodules.collate import PaddedCollator
 from lit_memtrain.objectives.causal_lm import CausalLMModule
-from lit_memtrain.objectives.step_tokens import STEP_TRAINABLE_TOKENS, StepTokenCounts
+from lit_memtrain.objectives.step_tokens import STEP_TRAINABLE_TOKENS, STEP_WINDOW, StepTokenCounts, StepWindow
 
 
 def _counted(counts, per_step, position=lambda: (0, math.inf)):
@@ -23,6 +23,15 @@ def test_every_batch_carries_the_sum_of_its_step():
     assert _counted([3, 1, 2], 1) == [3, 1, 2]
 
 
+def test_every_batch_carries_its_step_and_each_epoch_reads_its_own_accumulation():
+    accumulation = iter([1, 2])
+    tagged = StepTokenCounts([{"n": 3}, {"n": 1}, {"n": 2}], lambda: next(accumulation), lambda b: b["n"])
+    assert [b[STEP_WINDOW] for b in tagged] == [StepWindow(1, 1)] * 3
+    assert [(b[STEP_TRAINABLE_TOKENS], b[STEP_WINDOW]) for b in tagged] == [
+        (4, StepWindow(2, 2)), (4, StepWindow(2, 2)), (2, StepWindow(1, 2))
+    ]
+
+
 def test_steps_end_where_the_epoch_is_cut_and_start_where_a_resumed_epoch_restarts():
     assert _counted([3, 1, 2, 5, 4], 2, lambda: (0, 3)) == [4, 4, 2]  # limit_train_batches=3
     # Resumed after one batch, the loader restarts: its first batch ends the interrupted step, then 1 + 5.
@@ -32,6 +41,8 @@ def test_steps_end_where_the_epoch_is_cut_and_start_where_a_resumed_epoch_restar
 def test_bad_arguments_and_batches_are_refused():
     with pytest.raises(ValueError, match="micro_batches_per_step must be >= 1"):
         StepTokenCounts([], 0, len)
+    with pytest.raises(ValueError, match="micro_batches_per_step must be >= 1, got 0"):
+        list(StepTokenCounts([{}], lambda: 0, len))
     with pytest.raises(TypeError, match="needs dict batches; the training dataloader yields list"):
         list(StepTokenCounts([[1]], 1, len))
 

@@ -125,3 +125,23 @@ def test_with_cpu_offload_everything_but_the_sharded_parameters_follows_the_devi
     assert module.sharded.weight.device.type == "cpu" and module.sharded.frequencies.device.type == "meta"
     assert module.other.weight.device.type == "meta" and module.metric.mean_value.device.type == "meta"
     assert module.device.type == "meta" and module.sharded is module._modules["sharded"]
+
+
+@pytest.mark.parametrize(
+    ("device", "kwargs", "backend"),
+    [
+        ("cuda", {"cpu_offload": True}, "cuda:nccl,cpu:gloo"),  # the gradient norm of clipping is a host tensor
+        ("cuda", {"cpu_offload": False}, "nccl"),
+        ("cpu", {"cpu_offload": True}, "gloo"),
+        ("cuda", {"cpu_offload": True, "process_group_backend": "nccl"}, "nccl"),  # the user's choice is kept
+    ],
+)
+def test_cpu_offload_on_cuda_gives_host_tensors_a_gloo_backend_unless_one_is_named(device, kwargs, backend):
+    """What ``setup_environment`` would initialise for a CUDA root device, asked on the CPU (no CUDA is touched:
+    a device object is only a name). NCCL alone fails in ``clip_grad_norm_`` when cpu_offload keeps gradients
+    on the host."""
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=FSDP2Strategy(**kwargs), logger=False)
+    strategy = trainer.strategy
+    strategy.parallel_devices = [torch.device(device, 0)]
+    assert strategy._get_process_group_backend() == backend
+    assert not torch.cuda.is_initialized()

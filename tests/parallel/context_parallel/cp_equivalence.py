@@ -1,7 +1,8 @@
 """One process on the whole row against a context-parallel group on the same row: loss and every gradient.
 
-The group runs in processes started with ``torch.multiprocessing`` (spawn, gloo), which works under pytest;
-each case builds its model from the same seed on every rank and on the reference side, so the weights are equal.
+The group runs in processes started with ``torch.multiprocessing`` (forked with gloo, so they do not import
+torch and transformers again; spawned with nccl, as CUDA cannot be used in a forked child); each case builds its
+model from the same seed on every rank and on the reference side, so the weights are equal.
 The reference is plain transformers (``sdpa``, which keeps packed documents apart by their position ids) on the
 unsharded row with targets shifted the usual way: nothing of ``lit_memtrain.parallel.context_parallel`` is on that side.
 """
@@ -49,7 +50,7 @@ class Case:
     checkpointing: dict[str, bool] | None = None  # apply_checkpointing's options ({} = full checkpointing)
     tiled_mlp: bool = False
     batch_rows: int = 1  # > 1: that many single-document rows of lengths[0] tokens
-    cp: int = 2  # ranks 0 .. cp - 1 of the spawned processes form the group; the others wait
+    cp: int = 2  # ranks 0 .. cp - 1 of the started processes form the group; the others wait
     dtype: str = "float64"
     ring_backend: str = "all_gather"
 
@@ -215,14 +216,16 @@ def _worker(rank: int, world_size: int, port: int, cases: list[Case], output: st
 
 
 def run_cases(cases: list[Case], directory: Path, backend: str = "gloo") -> dict[str, Any]:
-    """Run every case on spawned ranks (as many as the largest ``cp``); rank 0's results by case name.
+    """Run every case on forked ranks (as many as the largest ``cp``); rank 0's results by case name.
 
-    ``backend="nccl"`` puts rank ``r`` on ``cuda:r``.
+    ``backend="nccl"`` spawns the ranks instead and puts rank ``r`` on ``cuda:r``.
     """
     world_size = max(case.cp for case in cases)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     output = str(directory / "results.pt")
-    mp.spawn(_worker, args=(world_size, port, cases, output, backend), nprocs=world_size, join=True)
+    start_method = "spawn" if backend == "nccl" else "fork"
+    mp.start_processes(_worker, args=(world_size, port, cases, output, backend), nprocs=world_size,
+                       start_method=start_method)  # fmt: skip
     return torch.load(output, weights_only=False)

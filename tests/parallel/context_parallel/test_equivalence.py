@@ -42,7 +42,7 @@ CASES_CP4 = [  # kv_heads 2 at cp 4: each key/value head replicated on two ranks
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    """One spawn of 4 ranks for every case (starting processes costs more than the cases)."""
+    """One launch of 4 ranks for every case (starting processes costs more than the cases)."""
     return run_cases(CASES_CP2 + CASES_CP4, tmp_path_factory.mktemp("context-parallel"))
 
 
