@@ -1,5 +1,9 @@
 """Building and loading the Hugging Face causal LM a module trains, and writing it back out.
 
+A recipe with ``task="reward"`` builds the same decoder under a one-output score head instead
+(``AutoModelForSequenceClassification``, :func:`auto_model_class`), for a reward model; everything below applies to
+it as it is.
+
 Why apart from the training step: where and when the model is built depends on the strategy (on the
 training device directly, or on the meta device and then sharded and loaded per rank), and an export
 must rebuild exactly what was trained (a QLoRA base reloaded in a float dtype with the same constructor
@@ -23,7 +27,14 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from lit_memtrain.models.lora import (
     LoraSettings,
@@ -37,20 +48,30 @@ from lit_memtrain.models.presets import PRESETS, build_config
 
 __all__ = [
     "DTYPES",
+    "MODEL_TASKS",
     "ModelRecipe",
+    "ModelTask",
+    "auto_model_class",
     "build_causal_lm",
     "build_causal_lm_skeleton",
     "build_sharded_training_model",
     "build_training_model",
     "causal_lm_config",
     "check_tokenizer_fits_model",
+    "config_for_task",
     "export_hf_directory",
     "export_sharded_hf_directory",
     "load_sharded",
+    "peft_task_type",
     "reload_unquantized_base",
+    "set_score_padding",
 ]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# What the model computes: next-token logits, or one score per sequence (a reward model, see auto_model_class).
+ModelTask = Literal["causal_lm", "reward"]
+MODEL_TASKS = ("causal_lm", "reward")
+_PEFT_TASK_TYPES = {"causal_lm": "CAUSAL_LM", "reward": "SEQ_CLS"}  # SEQ_CLS trains the score head whole
 
 
 @dataclass(frozen=True)
@@ -59,7 +80,8 @@ class ModelRecipe:
 
     Exactly one of ``model`` (hub id or local path), ``preset`` (a :data:`~lit_memtrain.models.presets.PRESETS`
     name) or ``config`` (a dict with ``model_type``) is set. See
-    :class:`~lit_memtrain.objectives.causal_lm.CausalLMModule` for the meaning of each field.
+    :class:`~lit_memtrain.objectives.causal_lm.CausalLMModule` for the meaning of each field; ``task`` says
+    which head the model has (:func:`auto_model_class`).
     """
 
     model: str | None = None
@@ -71,6 +93,7 @@ class ModelRecipe:
     model_init_kwargs: dict[str, Any] = field(default_factory=dict)
     trust_remote_code: bool = False
     lora: LoraSettings | None = None
+    task: ModelTask = "causal_lm"
 
     def __post_init__(self) -> None:
         sources = [name for name in ("model", "preset", "config") if getattr(self, name)]
@@ -87,6 +110,13 @@ class ModelRecipe:
             raise ValueError(
                 "QLoRA (lora.quantize) quantizes a checkpoint while loading it: give model=<hub id or path>."
             )
+        if self.task not in MODEL_TASKS:
+            raise ValueError(f"task must be one of {MODEL_TASKS}, got {self.task!r}.")
+        if self.task == "reward" and self.lora is not None and self.lora.lm_head:
+            raise ValueError(
+                "lora.lm_head adapts an LM head, which a reward model does not have: its score head trains whole "
+                "(PEFT's modules_to_save). Drop lora.lm_head."
+            )
         if self.quantized:
             check_quantization_available(self.lora)
 
@@ -95,11 +125,58 @@ class ModelRecipe:
         return self.lora is not None and self.lora.quantize is not None
 
 
+def auto_model_class(recipe: ModelRecipe) -> type:
+    """``AutoModelForCausalLM``, or for ``task="reward"`` ``AutoModelForSequenceClassification`` with one output:
+    the decoder of the same checkpoint or preset under a ``score`` head (a hub causal LM loads into it with a new,
+    randomly initialised head, as TRL's ``RewardTrainer`` loads it)."""
+    return AutoModelForSequenceClassification if recipe.task == "reward" else AutoModelForCausalLM
+
+
+def _task_kwargs(recipe: ModelRecipe) -> dict[str, Any]:
+    return {"num_labels": 1} if recipe.task == "reward" else {}
+
+
+def config_for_task(config: PretrainedConfig, recipe: ModelRecipe) -> PretrainedConfig:
+    """``config`` (a fresh one) with what :func:`auto_model_class`'s class needs: one label for a reward model."""
+    for name, value in _task_kwargs(recipe).items():
+        setattr(config, name, value)
+    return config
+
+
+def peft_task_type(recipe: ModelRecipe) -> str:
+    """PEFT's ``task_type`` for the recipe's model: ``SEQ_CLS`` keeps a reward model's score head trainable (PEFT's
+    ``modules_to_save``, as TRL advises), since the head starts from random weights."""
+    return _PEFT_TASK_TYPES[recipe.task]
+
+
+def set_score_padding(model: nn.Module, tokenizer: PreTrainedTokenizerBase | None) -> None:
+    """Give a reward model's config the tokenizer's pad token id, as TRL's ``RewardTrainer`` does.
+
+    Why: a sequence-classification model reads each sequence's score at its rightmost token that is not
+    ``config.pad_token_id`` (so with ``pad == eos`` a trailing eos counts as padding); the batches are padded with
+    the tokenizer's pad token, and an export must read the same position. Without a tokenizer the config's own id is
+    kept.
+
+    Raises:
+        ValueError: neither the tokenizer nor the config has a pad token id.
+    """
+    config = model.config.get_text_config()
+    if tokenizer is not None:
+        config.pad_token_id = tokenizer.pad_token_id
+    if config.pad_token_id is None:
+        raise ValueError(
+            f"The reward model {type(model).__name__} has no pad token id, so the position its score is read at "
+            "cannot be found. Give the module a tokenizer (its pad token, or its eos token when it has none, is "
+            "used), or set config_overrides.pad_token_id."
+        )
+
+
 def build_causal_lm(recipe: ModelRecipe, tokenizer: PreTrainedTokenizerBase | None = None) -> PreTrainedModel:
     """Load ``recipe.model`` with ``from_pretrained``, or build random weights from a preset or config.
 
-    A model built from a preset or config takes its vocabulary size and special token ids from ``tokenizer``
-    unless ``config_overrides`` sets them. The model is built where the caller's device context puts it.
+    A model built from a preset or config takes its shape from it and its special token ids from ``tokenizer``
+    (see :func:`causal_lm_config`); a reward recipe's model has a score head (:func:`auto_model_class`). The model
+    is built where the caller's device context puts it.
     """
     init_kwargs = dict(recipe.model_init_kwargs)
     dtype = "auto" if recipe.dtype == "auto" else DTYPES[recipe.dtype]
@@ -110,9 +187,11 @@ def build_causal_lm(recipe: ModelRecipe, tokenizer: PreTrainedTokenizerBase | No
             init_kwargs["quantization_config"] = quantization_config(recipe.lora, compute_dtype)
             # Quantized weights load straight onto a GPU: this process's own, not always cuda:0 under DDP.
             init_kwargs.setdefault("device_map", {"": int(os.environ.get("LOCAL_RANK", 0))})
-        return AutoModelForCausalLM.from_pretrained(recipe.model, dtype=dtype, **common, **init_kwargs)
-    model_config = causal_lm_config(recipe, tokenizer)
-    return AutoModelForCausalLM.from_config(model_config, dtype=torch.float32 if dtype == "auto" else dtype, **common)
+        model_class = auto_model_class(recipe)
+        return model_class.from_pretrained(recipe.model, dtype=dtype, **common, **_task_kwargs(recipe), **init_kwargs)
+    model_config = config_for_task(causal_lm_config(recipe, tokenizer), recipe)
+    dtype = torch.float32 if dtype == "auto" else dtype
+    return auto_model_class(recipe).from_config(model_config, dtype=dtype, **common)
 
 
 def causal_lm_config(
@@ -122,8 +201,18 @@ def causal_lm_config(
 
     For ``recipe.model`` this reads ``config.json`` (a local directory, or the hub or, with
     ``local_files_only``, only its cache) with ``model_init_kwargs`` applied as ``from_pretrained`` applies
-    them; for a preset or config dict it is the config ``build_causal_lm`` uses, vocabulary and special
-    tokens taken from ``tokenizer`` unless overridden.
+    them; for a preset or config dict it is the config ``build_causal_lm`` uses, special token ids taken from
+    ``tokenizer`` unless overridden.
+
+    The vocabulary is part of a preset's shape: Qwen3-4B's LM head has 151,936 rows whatever tokenizer the run
+    reads, and its logits are the largest activation of a long row, so a preset keeps its vocabulary (a plan or
+    a memory test of the named model with a smaller one would be of another model). ``config_overrides`` may
+    set ``vocab_size``; a config dict that names none takes the tokenizer's length. The tokenizer must fit
+    inside the vocabulary (real models pad theirs past their tokenizer's length, so a smaller one is fine).
+
+    Raises:
+        ValueError: ``tokenizer`` has more tokens than the model's vocabulary (some ids would index past its
+            embedding), with both sizes and the override that fixes it.
     """
     if recipe.model:
         return AutoConfig.from_pretrained(
@@ -132,13 +221,26 @@ def causal_lm_config(
             local_files_only=local_files_only,
             **recipe.model_init_kwargs,
         )
+    shape = PRESETS[recipe.preset] if recipe.preset else recipe.config
     overrides = dict(recipe.config_overrides or {})
     if tokenizer is not None:
-        overrides.setdefault("vocab_size", len(tokenizer))
+        if "vocab_size" not in shape and "vocab_size" not in recipe.model_init_kwargs:
+            overrides.setdefault("vocab_size", len(tokenizer))
         for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
             overrides.setdefault(name, getattr(tokenizer, name))
     overrides.update(recipe.model_init_kwargs)
-    return build_config(recipe.preset or recipe.config, overrides)
+    config = build_config(recipe.preset or recipe.config, overrides)
+    if tokenizer is not None and len(tokenizer) > config.vocab_size:
+        if "vocab_size" in overrides:
+            source = "config_overrides.vocab_size"
+        else:
+            source = f"the vocabulary of preset {recipe.preset!r}" if recipe.preset else "the config's vocab_size"
+        raise ValueError(
+            f"The tokenizer has {len(tokenizer):,} tokens but the model's embedding has only {config.vocab_size:,} "
+            f"rows ({source}), so some token ids would index past it. Use the tokenizer of the model you mean to "
+            f"train, or set config_overrides.vocab_size to at least {len(tokenizer):,}."
+        )
+    return config
 
 
 def build_causal_lm_skeleton(recipe: ModelRecipe, tokenizer: PreTrainedTokenizerBase | None = None) -> PreTrainedModel:
@@ -150,10 +252,10 @@ def build_causal_lm_skeleton(recipe: ModelRecipe, tokenizer: PreTrainedTokenizer
     if not recipe.model:
         with torch.device("meta"):
             return build_causal_lm(recipe, tokenizer)
-    config = causal_lm_config(recipe)
+    config = config_for_task(causal_lm_config(recipe), recipe)
     dtype = DTYPES.get(recipe.dtype) or _config_dtype(config)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(
+        return auto_model_class(recipe).from_config(
             config,
             dtype=dtype,
             attn_implementation=recipe.attn_implementation,
@@ -171,15 +273,26 @@ def _config_dtype(config: Any) -> torch.dtype:
 def check_tokenizer_fits_model(
     model: nn.Module, tokenizer: PreTrainedTokenizerBase, tokenizer_name: str, recipe: ModelRecipe
 ) -> None:
-    """Refuse a tokenizer whose ids would index past the model's embedding, or the demo tokenizer on a real model."""
+    """Refuse a tokenizer whose ids would index past the model's embedding, or the demo tokenizer on a real model.
+
+    A model trained with the embedded demo tokenizer from a preset keeps the preset's vocabulary (512 rows for the
+    tiny presets, more than the tokenizer's length), so the rows alone cannot tell it from a real model: its
+    export holds the tokenizer it was trained with, and that is what is compared.
+    """
     from lit_memtrain.datamodules.embedded import EMBEDDED
 
     rows = model.get_input_embeddings().num_embeddings
-    if recipe.model and tokenizer_name == EMBEDDED and rows != len(tokenizer):
+    if (
+        recipe.model
+        and tokenizer_name == EMBEDDED
+        and rows != len(tokenizer)
+        and not _holds_tokenizer(recipe.model, tokenizer)
+    ):
         raise ValueError(
             f"model={recipe.model!r} ({rows} embedding rows) is paired with the embedded demo tokenizer "
-            f"({len(tokenizer)} tokens), which it was not trained with. Give the model's own "
-            f"tokenizer (for example --data.tokenizer={recipe.model})."
+            f"({len(tokenizer)} tokens), which it was not trained with (its directory does not hold that "
+            f"tokenizer, as an export of a run that read it does). Give the model's own tokenizer (for example "
+            f"--data.tokenizer={recipe.model})."
         )
     if len(tokenizer) > rows:
         raise ValueError(
@@ -187,6 +300,15 @@ def check_tokenizer_fits_model(
             f"only {rows} rows, so some token ids would index past it. Use the model's own tokenizer, or a "
             "vocab_size of at least the tokenizer's length."
         )
+
+
+def _holds_tokenizer(directory: str, tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the local model ``directory`` holds a tokenizer with the same vocabulary as ``tokenizer``."""
+    if not (Path(directory) / "tokenizer_config.json").is_file():
+        return False
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(directory).get_vocab() == tokenizer.get_vocab()
 
 
 def build_training_model(
@@ -213,8 +335,10 @@ def build_training_model(
         recipe = replace(recipe, attn_implementation=name)
     if tokenizer is not None:
         check_tokenizer_fits_model(model, tokenizer, tokenizer_name, recipe)
+    if recipe.task == "reward":
+        set_score_padding(model, tokenizer)
     if recipe.lora is not None:
-        model = apply_lora(model, recipe.lora)
+        model = apply_lora(model, recipe.lora, peft_task_type(recipe))
     return model.train(), recipe
 
 
@@ -259,9 +383,10 @@ def reload_unquantized_base(recipe: ModelRecipe) -> PreTrainedModel:
     unquantized weights had)."""
     init_kwargs = {k: v for k, v in recipe.model_init_kwargs.items() if k not in ("quantization_config", "device_map")}
     dtype = "auto" if recipe.dtype == "auto" else DTYPES[recipe.dtype]
-    return AutoModelForCausalLM.from_pretrained(
-        recipe.model, dtype=dtype, trust_remote_code=recipe.trust_remote_code, device_map={"": "cpu"}, **init_kwargs
-    )
+    return auto_model_class(recipe).from_pretrained(
+        recipe.model, dtype=dtype, trust_remote_code=recipe.trust_remote_code, device_map={"": "cpu"},
+        **_task_kwargs(recipe), **init_kwargs,
+    )  # fmt: skip
 
 
 def export_hf_directory(
@@ -395,7 +520,9 @@ def export_sharded_hf_directory(
     if dist.get_rank() == 0:
         host = build_causal_lm_skeleton(recipe, tokenizer)
         if is_peft_model(model):
-            host = apply_lora(host, recipe.lora)
+            host = apply_lora(host, recipe.lora, peft_task_type(recipe))
+        if recipe.task == "reward":
+            set_score_padding(host, tokenizer)
         host.load_state_dict(weights, assign=True)
         _share_parameters_as_in(model, host)
         for name, buffer in model.named_buffers():
