@@ -47,7 +47,7 @@ HERE = Path(__file__).resolve().parent
 # Versions recorded in the report (distribution names).
 REPORTED_PACKAGES = (
     "transformers", "lightning", "peft", "accelerate", "pytest", "numpy", "matplotlib", "datasets", "wandb",
-    "jsonargparse", "flash-attn", "bitsandbytes",
+    "jsonargparse", "flash-attn", "bitsandbytes", "vllm",
 )
 
 
@@ -69,6 +69,7 @@ PARTS: tuple[Part, ...] = (
     Part("planner", "planner_vs_measured.py", limit_s=100),
     Part("fsdp2", "fsdp2.py", limit_s=60, optional=True),
     Part("context parallel", "context_parallel.py", limit_s=60, optional=True),
+    Part("grpo vllm", "grpo_vllm.py", limit_s=120),
 )
 
 # A part is not started with less than this many seconds of the budget left (or its own limit, if shorter).

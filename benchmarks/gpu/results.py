@@ -31,6 +31,7 @@ __all__ = ["OPTIONAL_PACKAGES", "add_arguments", "check", "missing_optional_pack
 # Packages a bare GPU machine may lack (import names): what fails only for want of one of them is skipped.
 OPTIONAL_PACKAGES = (
     "datasets", "wandb", "jsonargparse", "flash_attn", "bitsandbytes", "llvmlite", "pyarrow", "trl", "matplotlib",
+    "vllm",
 )
 
 

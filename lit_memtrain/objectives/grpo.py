@@ -1,0 +1,673 @@
+"""GRPOModule: online RL (GRPO and its DAPO, Dr. GRPO, BNPO losses) with the model path and memory techniques of SFT.
+
+Why a subclass of :class:`~lit_memtrain.objectives.causal_lm.CausalLMModule`: model building (presets, hub, LoRA /
+QLoRA, attention and its probes), the sharded build and root-forward under
+:class:`~lit_memtrain.strategies.FSDP2Strategy`, the optimizer and schedule, throughput, exports and checkpoints
+are the same; the memory callbacks act on the model and compose unchanged. What differs is the step.
+
+One training step (one batch of ``P`` prompts on each rank) is TRL's generation cycle:
+
+1. **Generate** ``num_generations`` (``G``) completions per prompt with the generation backend
+   (:mod:`lit_memtrain.models.generation`; Hugging Face ``generate`` by default: eval mode, no gradients, KV cache).
+2. **Score** them with the reward functions (TRL's signature, :mod:`~lit_memtrain.objectives.reward_functions`),
+   gather the rewards of every rank and turn them into advantages (:mod:`~lit_memtrain.objectives.advantages`).
+3. Without gradients, the log-probabilities of the sampling policy (only when training goes off-policy) and of
+   the reference (``beta != 0``): the same model with its LoRA adapter disabled, else a frozen copy of the initial
+   model (sharded like the policy under FSDP2, its parameters on the host with ``cpu_offload``).
+4. **Train** ``num_iterations`` times over the ``P * G`` completions, in ``steps_per_generation`` shuffled slices,
+   an optimizer step every ``gradient_accumulation_steps`` slices (manual optimisation: Lightning's automatic
+   optimisation takes one optimizer step per ``training_step``). Each slice is one padding-free row of prompt +
+   completion documents; its completion tokens' log-probabilities come from the final hidden states in chunks
+   (:func:`~lit_memtrain.techniques.logprobs.chunked_token_log_probs`, at the sampling ``temperature``), never the
+   ``[tokens, vocab]`` logits, and enter TRL's clipped loss (:mod:`~lit_memtrain.objectives.policy_loss`).
+
+``trainer.global_step`` counts optimizer steps (``max_steps`` too, checked between batches). A batch counts
+prompts: each rank draws ``G`` completions of each of its prompts, so a group never spans ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import statistics
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from torch import Tensor, nn
+
+from lit_memtrain.datamodules.batch import shift_targets
+from lit_memtrain.models.builder import build_training_model, load_sharded
+from lit_memtrain.models.generation import BACKENDS, GenerationBackend, SamplingSettings
+from lit_memtrain.models.lora import head_weight
+from lit_memtrain.objectives.advantages import (
+    SCALE_REWARDS,
+    ScaleRewards,
+    combine_rewards,
+    group_relative_advantages,
+    nanstd,
+)
+from lit_memtrain.objectives.causal_lm import CausalLMModule
+from lit_memtrain.objectives.optim import optimizer_and_schedule
+from lit_memtrain.objectives.policy_loss import LOSS_TYPES, PolicyLoss, PolicyLossType, clipped_policy_loss
+from lit_memtrain.objectives.reward_functions import RewardFunctions, TrainerState
+from lit_memtrain.objectives.rollout import Rollout, scoring_batch
+from lit_memtrain.parallel.fsdp import is_sharded, run_inside_forward
+from lit_memtrain.techniques.logprobs import chunked_token_log_probs, token_log_probs
+
+__all__ = ["GRPOModule"]
+
+
+@dataclass
+class _StepStats:
+    """What a step's micro-batches add up for the log (this rank's sums; reduced over ranks at the end)."""
+
+    losses: list[Tensor] = field(default_factory=list)
+    counted: list[Tensor] = field(default_factory=list)  # tokens (GRPO) or completions (RLOO) the flags count over
+    low: list[Tensor] = field(default_factory=list)
+    high: list[Tensor] = field(default_factory=list)
+    kl: list[Tensor] = field(default_factory=list)
+    low_per_completion: list[Tensor] = field(default_factory=list)
+    high_per_completion: list[Tensor] = field(default_factory=list)
+
+
+def _check_positive_int(name: str, value: Any, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
+
+
+class GRPOModule(CausalLMModule):
+    """Train a causal LM with GRPO on prompts, from the rewards of its own completions.
+
+    Args:
+        reward_funcs: reward functions with TRL's signature ``f(prompts, completions, completion_ids, **columns)
+            -> list[float | None]``, or import paths to them (how a YAML config names them).
+        reward_weights: one weight per reward function (default 1.0 each); the reward is their weighted sum.
+        num_generations: completions per prompt (``G``, at least 2: advantages compare them).
+        max_completion_length, temperature, top_p, top_k, min_p, repetition_penalty, do_sample: how completions
+            are drawn (:class:`~lit_memtrain.models.generation.SamplingSettings`); the loss scores them at the same
+            ``temperature``.
+        generation_backend: a name of :data:`~lit_memtrain.models.generation.BACKENDS`: ``"transformers"``
+            (Hugging Face ``generate``, the default), ``"transformers_continuous"`` (continuous batching),
+            ``"vllm_colocate"`` or ``"vllm_server"`` (vLLM, an optional extra); or a
+            :class:`~lit_memtrain.models.generation.GenerationBackend` instance.
+        generation_options: keyword arguments of the named backend's class beyond the sampling settings (e.g.
+            ``{"gpu_memory_utilization": 0.4}`` for ``vllm_colocate``, ``{"base_url": ...}`` for ``vllm_server``);
+            checked, with the backend's packages and its sampling support, before anything is built.
+        gather_weights_for_generation: under FSDP2, gather the whole model once for generation rather than layer by
+            layer per token (TRL's ``ds3_gather_for_generation``; the ``transformers`` backend).
+        policy_loss: TRL's ``loss_type``: ``dapo`` (default), ``grpo``, ``dr_grpo`` or ``bnpo``
+            (:mod:`~lit_memtrain.objectives.policy_loss`). (``loss_type`` is the house's ``chunked`` / ``nll``.)
+        scale_rewards: ``group`` (True), ``batch`` or ``none`` (False): what advantages are divided by.
+        beta: weight of the KL term to the reference (0: no reference is built or run).
+        epsilon, epsilon_high: the clip range ``[1 - epsilon, 1 + epsilon_high]`` (``epsilon_high`` defaults to
+            ``epsilon``).
+        use_bias_correction_kl: multiply the KL term by the importance ratio (TRL's default).
+        num_iterations: passes over each generation batch (TRL's ``mu``); more than one trains off-policy.
+        steps_per_generation: slices each generation batch is trained in, one micro-batch each (default:
+            ``gradient_accumulation_steps``).
+        gradient_accumulation_steps: micro-batches per optimizer step (Lightning's ``accumulate_grad_batches`` does
+            not apply to manual optimisation).
+        mask_truncated_completions: train no token of a completion that reached ``max_completion_length`` without
+            an end of sequence (its reward still counts in its group).
+        max_grad_norm: clip the gradients' norm to this before each optimizer step (None: no clipping); Lightning's
+            ``gradient_clip_val`` does not apply to manual optimisation.
+        padding_free: score each slice as one padding-free row (documents kept apart); False: right-padded rows.
+        learning_rate: TRL's default, 1e-6.
+        **kwargs: every argument of :class:`~lit_memtrain.objectives.causal_lm.CausalLMModule` (model, preset, lora,
+            tokenizer -- required here --, dtype, loss_type, loss_chunk_size, ...).
+
+    Logged (``train/``, TRL's names): ``reward``, ``reward_std``, ``rewards/<function>/mean`` and ``/std``,
+    ``frac_reward_zero_std``, ``completions/{mean,min,max}_length``, ``completions/clipped_ratio``,
+    ``completions/{mean,min,max}_terminated_length``, ``kl`` (``beta != 0``), ``clip_ratio/{low_mean,low_min,
+    high_mean,high_max,region_mean}``, ``loss``, ``tokens`` (trained tokens) and the throughput; ``val/reward`` and
+    ``val/rewards/<function>/mean`` on validation prompts. Not logged: ``entropy`` (it needs a second pass over the
+    LM head).
+
+    Example:
+        >>> module = GRPOModule(preset="tiny-qwen3", tokenizer="lit-memtrain/embedded", reward_funcs=[accuracy])
+        >>> Trainer(max_steps=20).fit(module, datamodule=PromptDataModule(batch_size=4))  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        reward_funcs: Sequence[str | Callable[..., Any]] | str | Callable[..., Any],
+        reward_weights: Sequence[float] | None = None,
+        num_generations: int = 8,
+        max_completion_length: int = 512,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float | None = None,
+        repetition_penalty: float = 1.0,
+        do_sample: bool = True,
+        generation_backend: str | GenerationBackend = "transformers",
+        generation_options: dict[str, Any] | None = None,
+        gather_weights_for_generation: bool = True,
+        policy_loss: PolicyLossType = "dapo",
+        scale_rewards: ScaleRewards | bool = "group",
+        beta: float = 0.0,
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
+        use_bias_correction_kl: bool = True,
+        num_iterations: int = 1,
+        steps_per_generation: int | None = None,
+        gradient_accumulation_steps: int = 1,
+        mask_truncated_completions: bool = False,
+        max_grad_norm: float | None = 1.0,
+        padding_free: bool = True,
+        learning_rate: float = 1e-6,
+        **kwargs: Any,
+    ) -> None:
+        sampling = SamplingSettings(
+            max_completion_length=max_completion_length, temperature=temperature, top_p=top_p, top_k=top_k,
+            min_p=min_p, repetition_penalty=repetition_penalty, do_sample=do_sample,
+        )  # fmt: skip
+        _check_backend(generation_backend, generation_options, sampling)  # before any model or tokenizer work
+        super().__init__(learning_rate=learning_rate, **kwargs)
+        self.automatic_optimization = False
+        if self.tokenizer is None:
+            raise ValueError(
+                f"{type(self).__name__} needs a tokenizer (tokenizer=...; lit-memtrain fit links data.tokenizer): it "
+                "decodes completions for the reward functions and ends them at its end-of-sequence token."
+            )
+        _check_positive_int("num_generations", num_generations, minimum=2)
+        _check_positive_int("num_iterations", num_iterations)
+        _check_positive_int("gradient_accumulation_steps", gradient_accumulation_steps)
+        steps_per_generation = gradient_accumulation_steps if steps_per_generation is None else steps_per_generation
+        _check_positive_int("steps_per_generation", steps_per_generation)
+        if policy_loss not in LOSS_TYPES:
+            raise ValueError(f"policy_loss (TRL's loss_type) must be one of {LOSS_TYPES}, got {policy_loss!r}.")
+        if isinstance(scale_rewards, bool):
+            scale_rewards = "group" if scale_rewards else "none"
+        if scale_rewards not in SCALE_REWARDS:
+            raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS} (or True / False), got {scale_rewards!r}.")
+        epsilon_high = epsilon if epsilon_high is None else epsilon_high
+        if not (0 <= epsilon < 1 and epsilon_high >= 0):
+            raise ValueError(f"epsilon must be in [0, 1) and epsilon_high >= 0, got {epsilon} and {epsilon_high}.")
+        if not beta >= 0:
+            raise ValueError(f"beta must be >= 0 (0: no reference), got {beta}.")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None (no clipping), got {max_grad_norm}.")
+        self.sampling = sampling
+        self.reward_functions = RewardFunctions(reward_funcs, reward_weights)
+        self.num_generations = num_generations
+        self.scale_rewards: ScaleRewards = scale_rewards
+        self.epsilon_low, self.epsilon_high = epsilon, epsilon_high
+        self.steps_per_generation = steps_per_generation
+        self.generation_backend: GenerationBackend | None = (
+            generation_backend if isinstance(generation_backend, GenerationBackend) else None
+        )
+        # Hyper-parameters are written to checkpoints and loggers: callables and a backend object by name.
+        self.hparams["reward_funcs"] = [_import_path(function) for function in self.reward_functions.functions]
+        if not isinstance(generation_backend, str):
+            self.hparams["generation_backend"] = type(generation_backend).__name__
+        self._backend_ready = False
+        self._micro_steps = 0
+        self._mean_rewards: list[float] = []
+        # The frozen reference copy (beta != 0 without LoRA) is kept out of the module tree on purpose: not in
+        # state_dict (a checkpoint holds the trained model once; the reference is rebuilt from the initial weights),
+        # not moved or found by callbacks (no checkpointing, no offloading: it runs without gradients).
+        object.__setattr__(self, "_reference_model", None)
+
+    # ------------------------------------------------------------------------------------------- setup
+
+    @property
+    def off_policy(self) -> bool:
+        """Whether some slice is trained after an optimizer step since its generation (TRL's condition for
+        computing the sampling policy's log-probabilities): ``gradient_accumulation_steps`` is not a multiple of
+        ``steps_per_generation * num_iterations``."""
+        return self.hparams.gradient_accumulation_steps % (self.steps_per_generation * self.hparams.num_iterations) != 0
+
+    @property
+    def needs_old_logps(self) -> bool:
+        """Whether the sampling policy's log-probabilities are computed at generation time."""
+        return self.off_policy
+
+    def configure_model(self) -> None:
+        """Build the model (see :class:`CausalLMModule`) and, with ``beta != 0`` and no LoRA adapter, copy its initial
+        weights as the frozen reference, before any checkpoint is loaded into the policy. Under a strategy with
+        ``parallelize`` (FSDP2) the copy is sharded like the policy, from rank 0's weights as the policy is."""
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        sharding = hasattr(strategy, "parallelize")
+        if self.hparams.beta != 0 and self.lora is None and self._reference_model is None:
+            if is_sharded(self.model):
+                raise RuntimeError(
+                    "The model was sharded before GRPOModule could copy its initial weights as the reference. Let the "
+                    "module build it (configure_model), or train a LoRA adapter (the reference is then the base model)."
+                )
+            if self.model is None and sharding:  # built unsharded first (rank 0 on the host, the others on meta)
+                source_rank = strategy.global_rank == 0
+                with torch.device("cpu") if source_rank else nullcontext():
+                    self.model, self.recipe = build_training_model(
+                        self.recipe, self.tokenizer, self.hparams.tokenizer, self._document_attention,
+                        meta=not source_rank,
+                    )  # fmt: skip
+            elif self.model is None:
+                super().configure_model()
+            object.__setattr__(self, "_reference_model", copy.deepcopy(self.model).requires_grad_(False).eval())
+        super().configure_model()
+        reference = self._reference_model
+        if sharding and reference is not None and not is_sharded(reference):
+            reference = load_sharded(reference, strategy.parallelize, strategy.parameter_device, strategy.root_device)
+            object.__setattr__(self, "_reference_model", reference.requires_grad_(False).eval())
+
+    def setup(self, stage: str) -> None:
+        """Refuse context parallelism (a completion's log-probabilities need its whole sequence). Unlike
+        CausalLMModule, nothing is arranged for the step's token count: the step counts its own tokens."""
+        context_parallel = getattr(self.trainer.strategy, "context_parallel_size", 1)
+        if context_parallel > 1:
+            raise ValueError(
+                f"{type(self).__name__} does not support context parallelism (context_parallel_size="
+                f"{context_parallel}): completions are generated and scored whole. Use FSDP2Strategy."
+            )
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        if self.router_aux_weight():
+            raise ValueError(
+                f"{type(self.model).__name__} has routers: {type(self).__name__} does not add the router "
+                "load-balancing loss. Set router_aux_loss_coef=0 to train it without that loss."
+            )
+        batch_size = getattr(self.trainer.datamodule, "batch_size", None)
+        if isinstance(batch_size, int):
+            self._check_slices(batch_size)
+        if self._reference_model is not None and not is_sharded(self._reference_model):
+            self._reference_model.to(self.device)
+        self.generation_backend_for_run()  # a backend that cannot serve this model fails now, not mid-step
+
+    def eos_token_ids(self) -> list[int]:
+        """Every token id that ends a completion: the tokenizer's end of sequence and those of the model's
+        ``generation_config`` (an end-of-turn token), as TRL takes them."""
+        ids = [self.tokenizer.eos_token_id]
+        configured = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        for token in [configured] if isinstance(configured, int) else list(configured or []):
+            if token not in ids:
+                ids.append(token)
+        return ids
+
+    def _check_slices(self, prompts: int) -> None:
+        completions = prompts * self.num_generations
+        if completions % self.steps_per_generation:
+            raise ValueError(
+                f"A batch of {prompts} prompts x num_generations={self.num_generations} = {completions} completions "
+                f"cannot be split into steps_per_generation={self.steps_per_generation} equal slices. Make batch_size "
+                "x num_generations a multiple of steps_per_generation (one that divides num_generations fits every "
+                "batch, the last smaller one of an epoch too)."
+            )
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        """As :class:`CausalLMModule`'s, the schedule spanning the run's optimizer steps
+        (:meth:`estimated_optimizer_steps`): a batch takes several, or a fraction of one."""
+        hp = self.hparams
+        config = optimizer_and_schedule(
+            self.named_parameters(), learning_rate=hp.learning_rate, weight_decay=hp.weight_decay, betas=hp.betas,
+            warmup=hp.warmup, min_lr_ratio=hp.min_lr_ratio, optimizer=hp.optimizer, lr_scheduler=hp.lr_scheduler,
+            stepping_batches=self.estimated_optimizer_steps,
+            scaler_clips_gradients=lambda: (
+                getattr(self.trainer.precision_plugin, "scaler", None) is not None and hp.max_grad_norm is not None
+            ),
+        )  # fmt: skip
+        if isinstance(config["lr_scheduler"]["scheduler"], torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise ValueError(
+                f"{type(self).__name__} steps its schedule after every optimizer step, inside the training step; "
+                "ReduceLROnPlateau needs a monitored metric there is none of. Use a schedule stepped by steps."
+            )
+        return config
+
+    def estimated_optimizer_steps(self) -> int:
+        """The run's optimizer steps: ``max_steps``, else ``steps_per_generation * num_iterations /
+        gradient_accumulation_steps`` per training batch."""
+        trainer = self.trainer
+        if trainer.max_steps > 0:
+            return trainer.max_steps
+        per_batch = self.steps_per_generation * self.hparams.num_iterations / self.hparams.gradient_accumulation_steps
+        return max(1, int(trainer.estimated_stepping_batches * per_batch))
+
+    # ----------------------------------------------------------------------------------- log-probs
+
+    def completion_logps(self, rollout: Rollout, model: nn.Module | None = None) -> Tensor:
+        """``[N, width]`` log-probabilities of ``rollout``'s completion tokens at the sampling temperature, under
+        ``model`` (the policy by default), 0 off the completion mask."""
+        model = self.model if model is None else model
+        batch, positions = scoring_batch(rollout, self.tokenizer.pad_token_id, self.hparams.padding_free)
+        batch = move_data_to_device(batch, self.device)
+        self.run_setup_probes(batch)  # the policy's, once: the reference shares its architecture and attention
+        if torch.is_grad_enabled():  # a trained slice: what the throughput counts
+            self.throughput.count(batch, self.trainer.world_size, self.device, self.trainer.strategy.reduce)
+        targets = shift_targets(batch["labels"]).flatten()
+        temperature = self.sampling.temperature
+        if self.hparams.loss_type == "nll":
+            logits = model(**self._model_inputs(batch)).logits.flatten(0, 1)
+            row = token_log_probs(logits / temperature, targets)
+        elif is_sharded(model):
+            row = run_inside_forward(model, self._chunked_logps, model, batch, targets, temperature)
+        else:
+            row = self._chunked_logps(model, batch, targets, temperature)
+        mask = rollout.completion_mask().to(row.device)
+        return row[positions.to(row.device)] * mask
+
+    def _chunked_logps(self, model: nn.Module, batch: dict[str, Any], targets: Tensor, temperature: float) -> Tensor:
+        """Token log-probabilities of a batch's targets from ``model``'s final hidden states, in chunks.
+
+        TRL divides the logits by the temperature after the model's own transform (scale, soft-cap); without a
+        soft-cap that is a scale of ``scale / temperature``. With one, only ``temperature == 1`` can be chunked."""
+        transform = self.setup_probes.logit_transform
+        if transform.softcap is not None and temperature != 1:
+            raise ValueError(
+                f"The model soft-caps its logits (final_logit_softcapping={transform.softcap}) and temperature="
+                f"{temperature}: the chunked log-probabilities cannot divide capped logits by the temperature. Use "
+                "loss_type='nll' (the model's logits) or temperature=1."
+            )
+        outputs = model.get_decoder()(**self._model_inputs(batch))
+        hidden = outputs.last_hidden_state.flatten(0, 1)
+        weight, bias = head_weight(model.get_output_embeddings())
+        bias = bias.to(hidden.dtype) if bias is not None else None  # a LoRA head keeps fp32 adapters on a bf16 base
+        return chunked_token_log_probs(
+            hidden, weight.to(hidden.dtype), targets, self.hparams.loss_chunk_size, transform.softcap, bias,
+            transform.scale / temperature,
+        )  # fmt: skip
+
+    @torch.no_grad()
+    def _no_grad_logps(self, rollout: Rollout, model: nn.Module | None = None) -> Tensor:
+        """:meth:`completion_logps` without gradients, one training slice at a time (the memory of one micro-batch)."""
+        parts = rollout.split(self.steps_per_generation)
+        return torch.cat([self.completion_logps(part, model) for part in parts])
+
+    def reference_logps(self, rollout: Rollout) -> Tensor:
+        """The reference's ``[N, width]`` log-probabilities: the model with its LoRA adapter disabled, or the frozen
+        copy of its initial weights."""
+        if self.lora is not None:
+            with self.model.disable_adapter():
+                return self._no_grad_logps(rollout)
+        return self._no_grad_logps(rollout, self._reference_model)
+
+    # ----------------------------------------------------------------------------------- rollouts
+
+    def _gather_rows(self, tensor: Tensor) -> Tensor:
+        """Every rank's ``[n, ...]`` rows, rank after rank: ``[world * n, ...]``."""
+        tensor = tensor.to(self.device)
+        if self.trainer.world_size == 1:
+            return tensor
+        return self.all_gather(tensor).flatten(0, 1)
+
+    def _sum_over_ranks(self, tensor: Tensor) -> Tensor:
+        return self.trainer.strategy.reduce(tensor.to(self.device), reduce_op="sum")
+
+    def generation_backend_for_run(self) -> GenerationBackend:
+        """The generation backend, built and set up (:meth:`GenerationBackend.setup`) on first use from
+        ``generation_backend`` and ``generation_options`` unless an instance was given."""
+        if self.generation_backend is None:
+            backend_class = BACKENDS[self.hparams.generation_backend]
+            options = dict(self.hparams.generation_options or {})
+            if "gather_weights" in inspect.signature(backend_class.__init__).parameters:
+                options.setdefault("gather_weights", self.hparams.gather_weights_for_generation)
+            self.generation_backend = backend_class(
+                self.sampling, self.eos_token_ids(), self.tokenizer.pad_token_id, **options
+            )
+        if not self._backend_ready:
+            self.generation_backend.setup(self.model)
+            self._backend_ready = True
+        return self.generation_backend
+
+    def generate_rollout(self, batch: dict[str, Any], where: str) -> tuple[Rollout, Tensor, dict[str, Tensor]]:
+        """Generate ``num_generations`` completions of each prompt of ``batch`` and score them: the rollout, this
+        rank's rewards ``[N, K]`` (one column per reward function, NaN where not scored) and the completion metrics
+        TRL logs (over every rank)."""
+        prompts, prompt_ids, columns = batch["prompt"], batch["prompt_ids"], batch.get("columns", {})
+        generations, backend = self.num_generations, self.generation_backend_for_run()
+        completion_ids = backend.generate(self.model, prompt_ids, generations, self.device, self.trainer.global_step)
+        if len(completion_ids) != len(prompt_ids) * generations:
+            raise RuntimeError(
+                f"The generation backend {type(backend).__name__} returned {len(completion_ids)} completions for "
+                f"{len(prompt_ids)} prompts x num_generations={generations} on {where}."
+            )
+
+        def repeat(values: Sequence[Any]) -> list[Any]:
+            return [value for value in values for _ in range(generations)]
+
+        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        conversational = bool(prompts) and isinstance(prompts[0], list)
+        completions = [[{"role": "assistant", "content": text}] for text in texts] if conversational else texts
+        logged: dict[str, list[float]] = {}
+        rewards = self.reward_functions(
+            repeat(prompts), completions, completion_ids, {name: repeat(v) for name, v in columns.items()}, where,
+            trainer_state=TrainerState(self.trainer.global_step, self.trainer.current_epoch, self.trainer.max_steps),
+            log_metric=lambda name, value: logged.setdefault(name, []).append(float(value)),
+        )  # fmt: skip
+        ends = {*backend.eos_token_ids, self.tokenizer.pad_token_id}
+        truncated = torch.tensor([not ids or ids[-1] not in ends for ids in completion_ids])
+        trained = ~truncated if self.hparams.mask_truncated_completions else torch.ones_like(truncated)
+        rollout = Rollout.of(repeat(prompt_ids), completion_ids, trained)
+        metrics = self._completion_metrics(rollout, truncated)
+        metrics.update({name: torch.tensor(statistics.fmean(values)) for name, values in logged.items()})
+        return rollout, rewards, metrics
+
+    def prepare_rollout(self, rollout: Rollout, rewards: Tensor) -> tuple[Rollout, dict[str, Tensor]]:
+        """What training needs of a scored rollout: the sampling policy's log-probabilities (off-policy), the
+        reference's (``beta != 0``) and this rank's share of the advantages, computed from every rank's rewards;
+        and the reward metrics TRL logs."""
+        old = self._no_grad_logps(rollout) if self.needs_old_logps else None
+        ref = self.reference_logps(rollout) if self.hparams.beta != 0 else None
+        rollout = replace(rollout, old_logps=old, ref_logps=ref)
+        advantages, metrics = self.compute_advantages(self._gather_rows(rewards), rollout)
+        rank = self.trainer.global_rank
+        return replace(rollout, advantages=advantages[rank * len(rollout) : (rank + 1) * len(rollout)]), metrics
+
+    def _completion_metrics(self, rollout: Rollout, truncated: Tensor) -> dict[str, Tensor]:
+        lengths = self._gather_rows(torch.tensor([len(c) for c in rollout.completion_ids], dtype=torch.float32))
+        clipped = self._gather_rows(truncated.float()).bool()
+        terminated = lengths[~clipped] if (~clipped).any() else lengths.new_zeros(1)
+        return {
+            "completions/mean_length": lengths.mean(),
+            "completions/min_length": lengths.min(),
+            "completions/max_length": lengths.max(),
+            "completions/clipped_ratio": clipped.float().mean(),
+            "completions/mean_terminated_length": terminated.mean(),
+            "completions/min_terminated_length": terminated.min(),
+            "completions/max_terminated_length": terminated.max(),
+        }
+
+    def compute_advantages(self, rewards_per_function: Tensor, rollout: Rollout) -> tuple[Tensor, dict[str, Tensor]]:
+        """GRPO's advantages of the whole generation batch (every rank's completions, ``[world * N]``) from its
+        rewards ``[world * N, K]``, and the reward metrics TRL logs."""
+        weights = self.reward_functions.weights.to(rewards_per_function.device)
+        rewards = combine_rewards(rewards_per_function, weights)
+        grouped = group_relative_advantages(rewards, self.num_generations, self.scale_rewards)
+        metrics = self._reward_metrics(rewards_per_function, rewards)
+        metrics["frac_reward_zero_std"] = grouped.zero_std.float().mean()
+        return grouped.advantages, metrics
+
+    def _reward_metrics(self, rewards_per_function: Tensor, rewards: Tensor) -> dict[str, Tensor]:
+        metrics = {"reward": torch.nanmean(rewards), "reward_std": nanstd(rewards)}
+        for index, name in enumerate(self.reward_functions.names):
+            metrics[f"rewards/{name}/mean"] = torch.nanmean(rewards_per_function[:, index])
+            metrics[f"rewards/{name}/std"] = nanstd(rewards_per_function[:, index])
+        return metrics
+
+    # ----------------------------------------------------------------------------------------- loss
+
+    def loss_normalizer(self, rollout: Rollout) -> Tensor | None:
+        """DAPO's divisor for the micro-batches of ``rollout`` (None for the other losses): the trained tokens of
+        the generation batch over every rank, times ``gradient_accumulation_steps / (world_size *
+        steps_per_generation)`` (TRL's), so that the gradients of an optimizer step, averaged over ranks, are the
+        mean over every token it trains."""
+        if self.hparams.policy_loss != "dapo":
+            return None
+        tokens = self._sum_over_ranks(rollout.completion_mask().sum())
+        scale = self.hparams.gradient_accumulation_steps / (self.trainer.world_size * self.steps_per_generation)
+        return tokens.clamp(min=1.0) * scale
+
+    def slice_loss(self, part: Rollout, normalizer: Tensor | None = None) -> PolicyLoss:
+        """One micro-batch's loss: its completions scored by the policy (with gradients) in the clipped loss;
+        ``normalizer``: :meth:`loss_normalizer`'s."""
+        logps = self.completion_logps(part)
+        mask = part.completion_mask().to(logps.device)
+        return clipped_policy_loss(
+            logps, part.old_logps, part.advantages.to(logps.device), mask, loss_type=self.hparams.policy_loss,
+            epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, beta=self.hparams.beta,
+            ref_logps=part.ref_logps, bias_correction_kl=self.hparams.use_bias_correction_kl,
+            accumulation_steps=self.hparams.gradient_accumulation_steps,
+            max_completion_length=self.sampling.max_completion_length, dapo_normalizer=normalizer,
+        )  # fmt: skip
+
+    def _record(self, stats: _StepStats, out: PolicyLoss, part: Rollout) -> None:
+        """Add a micro-batch's loss and clip flags to ``stats``: per token, or per completion where the ratio is
+        one per completion (RLOO)."""
+        if out.ratio.dim() == 1:
+            mask = torch.ones(len(part), 1, device=out.ratio.device)
+            low, high = out.low_clipped.unsqueeze(1), out.high_clipped.unsqueeze(1)
+        else:
+            mask, low, high = part.completion_mask().to(out.ratio.device), out.low_clipped, out.high_clipped
+        per_completion = mask.sum(-1)
+        stats.losses.append(out.loss.detach())
+        stats.counted.append(mask.sum())
+        stats.low.append((low * mask).sum())
+        stats.high.append((high * mask).sum())
+        stats.low_per_completion.append((low * mask).sum(-1) / per_completion)
+        stats.high_per_completion.append((high * mask).sum(-1) / per_completion)
+        if out.kl is not None:
+            stats.kl.append((out.kl * mask).sum())
+
+    def _loss_metrics(self, stats: _StepStats) -> dict[str, Tensor]:
+        passes = self.steps_per_generation * self.hparams.num_iterations
+        world = self.trainer.world_size
+        loss = self._sum_over_ranks(torch.stack(stats.losses).sum()) * self.hparams.gradient_accumulation_steps
+        counted = self._sum_over_ranks(torch.stack(stats.counted).sum()).clamp(min=1)
+        low = self._sum_over_ranks(torch.stack(stats.low).sum()) / counted
+        high = self._sum_over_ranks(torch.stack(stats.high).sum()) / counted
+        metrics = {
+            "loss": loss / (passes * world),
+            "clip_ratio/low_mean": low,
+            "clip_ratio/high_mean": high,
+            "clip_ratio/region_mean": low + high,
+            "clip_ratio/low_min": _nanmin(self._gather_rows(torch.cat(stats.low_per_completion))),
+            "clip_ratio/high_max": _nanmax(self._gather_rows(torch.cat(stats.high_per_completion))),
+        }
+        if stats.kl:
+            metrics["kl"] = self._sum_over_ranks(torch.stack(stats.kl).sum()) / counted
+        return metrics
+
+    # ----------------------------------------------------------------------------------------- steps
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        """Generate and score one generation batch, then train on it (see the module docstring)."""
+        where = f"training batch {batch_idx} (epoch {self.current_epoch}, global step {self.trainer.global_step})"
+        self._check_slices(len(batch["prompt_ids"]))  # before any work
+        rollout, rewards, metrics = self.generate_rollout(batch, where)
+        rollout, reward_metrics = self.prepare_rollout(rollout, rewards)
+        metrics.update(reward_metrics)
+        order = torch.randperm(len(rollout)) if self.steps_per_generation > 1 else None  # TRL shuffles once
+        slices = rollout.split(self.steps_per_generation, order)
+        normalizer = self.loss_normalizer(rollout)
+        optimizer, stats = self.optimizers(), _StepStats()
+        for _ in range(self.hparams.num_iterations):
+            for part in slices:
+                out = self.slice_loss(part, normalizer)
+                self.manual_backward(out.loss)
+                self._record(stats, out, part)
+                self._micro_steps += 1
+                if self._micro_steps % self.hparams.gradient_accumulation_steps == 0:
+                    self._optimizer_step(optimizer)
+        metrics.update(self._loss_metrics(stats))
+        prompts = len(batch["prompt_ids"])
+        for name, value in metrics.items():
+            self.log(f"train/{name}", value.float(), prog_bar=name in ("reward", "loss"), batch_size=prompts)
+        self.log("train/tokens", self.throughput.tokens_seen_metric(), batch_size=prompts)
+        if self._first_loss is None:
+            self._first_loss = metrics["loss"]
+        self._last_loss = metrics["loss"]
+        self._mean_rewards.append(float(metrics["reward"]))
+        return metrics["loss"]
+
+    def _optimizer_step(self, optimizer: Any) -> None:
+        if self.hparams.max_grad_norm is not None:
+            self.clip_gradients(optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler = self.lr_schedulers()
+        if scheduler is not None:
+            scheduler.step()
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        """Generate and score completions of validation prompts (no loss): ``val/reward`` and per function."""
+        where = f"validation batch {batch_idx} (global step {self.trainer.global_step})"
+        _, rewards, metrics = self.generate_rollout(batch, where)
+        rewards = self._gather_rows(rewards)
+        metrics.update(self._reward_metrics(rewards, combine_rewards(rewards, self.reward_functions.weights)))
+        prompts = len(batch["prompt_ids"])
+        for name in ("reward", "completions/mean_length", *[f"rewards/{n}/mean" for n in self.reward_functions.names]):
+            self.log(f"val/{name}", metrics[name].float(), prog_bar=name == "reward", batch_size=prompts)
+
+    def on_validation_epoch_end(self) -> None:
+        """Nothing to add: :meth:`validation_step` logs the rewards (SFT's token metrics do not apply)."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """A prompt batch holds no trained tokens: the step counts the batches it scores itself."""
+
+    def on_validation_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Probes run on the batches the step scores (prompts alone have no documents to probe)."""
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        rewards = self._mean_rewards
+        if rewards:
+            window = max(1, min(10, len(rewards) // 2))
+            self.print(
+                f"mean reward: first {window} batches {statistics.fmean(rewards[:window]):.4f} -> last {window} "
+                f"batches {statistics.fmean(rewards[-window:]):.4f} over {len(rewards)} batches"
+            )
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        checkpoint["lit_memtrain"]["micro_steps"] = self._micro_steps
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        self._micro_steps = int(checkpoint.get("lit_memtrain", {}).get("micro_steps", 0))
+
+
+def _check_backend(
+    backend: str | GenerationBackend, options: dict[str, Any] | None, sampling: SamplingSettings
+) -> None:
+    """Refuse a generation backend that cannot run as configured, before any work: an unknown name, options its
+    class does not take, a package it needs missing (vLLM), sampling settings it would draw differently."""
+    if isinstance(backend, GenerationBackend):
+        if options:
+            raise ValueError(
+                "generation_options apply to a backend given by name; a GenerationBackend instance is already built "
+                f"with its options, got {sorted(options)}."
+            )
+        type(backend).check_sampling(sampling)
+        return
+    if backend not in BACKENDS:
+        raise ValueError(
+            f"generation_backend must be one of {sorted(BACKENDS)} or a GenerationBackend instance, got {backend!r}."
+        )
+    if options is not None and not isinstance(options, dict):
+        raise TypeError(f"generation_options must be a dict of the backend's options, got {options!r}.")
+    backend_class = BACKENDS[backend]
+    backend_class.check_available()
+    backend_class.check_options(options or {})
+    backend_class.check_sampling(sampling)
+
+
+def _import_path(function: Callable[..., Any]) -> str:
+    """Where ``function`` is imported from (``module.name``); a callable object (a reward model) cannot be imported
+    back, so it is described instead, and loading such hyper-parameters asks for it to be passed again."""
+    if not hasattr(function, "__qualname__"):
+        return f"<a {type(function).__name__} object: pass it again as reward_funcs>"
+    return f"{function.__module__}.{function.__qualname__}"
+
+
+def _nanmin(values: Tensor) -> Tensor:
+    kept = values[~torch.isnan(values)]
+    return kept.min() if kept.numel() else values.new_tensor(float("nan"))
+
+
+def _nanmax(values: Tensor) -> Tensor:
+    kept = values[~torch.isnan(values)]
+    return kept.max() if kept.numel() else values.new_tensor(float("nan"))

@@ -1,0 +1,97 @@
+"""PromptDataModule through the datamodule: TRL's prompt-only formats tokenized as TRL's GRPOTrainer does, the other
+columns kept for the reward functions, prompts cut to max_prompt_length and counted in the log, clear errors."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+
+import datasets
+import pytest
+
+from lit_memtrain.datamodules.embedded import make_arithmetic_prompt
+from lit_memtrain.datamodules.prompts import PromptCounts, PromptDataModule
+
+QUESTIONS = ["What is 2 + 3?", "Reverse the word abc, please, and be quick about it."]
+
+
+def _standard() -> datasets.Dataset:
+    return datasets.Dataset.from_list(
+        [{"prompt": q, "answer": str(i), "completion": "unused", "level": i} for i, q in enumerate(QUESTIONS)]
+    )
+
+
+def _conversational() -> datasets.Dataset:
+    return datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": q}], "answer": str(i)}
+                                       for i, q in enumerate(QUESTIONS)])
+
+
+def _loaded(dataset, tokenizer="lit-memtrain/embedded", max_prompt_length=None, **kwargs) -> tuple:
+    datamodule = PromptDataModule(tokenizer=tokenizer, dataset=dataset, batch_size=2,
+                                  max_prompt_length=max_prompt_length, **kwargs)
+    datamodule.setup("fit")
+    return datamodule, next(iter(datamodule.train_dataloader()))
+
+
+def _rows(batch: dict) -> list[tuple]:
+    return sorted(zip(map(str, batch["prompt"]), map(tuple, batch["prompt_ids"]), batch["columns"]["answer"]))
+
+
+def test_standard_and_conversational_prompts_tokenize_as_trl(tokenizer, chat_tokenizers, tmp_path):
+    _, batch = _loaded(_standard())
+    assert _rows(batch) == sorted((q, tuple(tokenizer(text=q)["input_ids"]), str(i)) for i, q in enumerate(QUESTIONS))
+    assert set(batch["columns"]) == {"answer", "level"}  # 'completion' is what is generated, not data
+    _, batch = _loaded(_conversational())
+    expected = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                              tokenize=True, return_dict=True)["input_ids"] for q in QUESTIONS]
+    assert sorted(map(tuple, batch["prompt_ids"])) == sorted(map(tuple, expected))
+    assert all(isinstance(prompt, list) and prompt[0]["role"] == "user" for prompt in batch["prompt"])
+    llama = chat_tokenizers["llama"]  # adds a BOS token to text, as TRL's tokenizer(text=...) call does
+    directory = tmp_path / "llama"
+    llama.save_pretrained(directory)
+    _, batch = _loaded(_standard(), tokenizer=str(directory))
+    assert all(ids[0] == llama.bos_token_id for ids in batch["prompt_ids"])
+
+
+@pytest.mark.parametrize("prompt_truncation", ["keep_end", "keep_start"])
+def test_long_prompts_are_cut_counted_and_logged(tokenizer, caplog, prompt_truncation):
+    lengths = [len(tokenizer(text=q)["input_ids"]) for q in QUESTIONS]
+    limit = min(lengths) + 2  # the first prompt fits, the second is cut
+    with caplog.at_level(logging.INFO):
+        datamodule, batch = _loaded(_standard(), max_prompt_length=limit, prompt_truncation=prompt_truncation)
+    assert datamodule.prompt_counts["train"] == PromptCounts(
+        prompts=2, tokens=sum(lengths), truncated_prompts=1, truncated_tokens=max(lengths) - limit
+    )
+    assert f"1 prompts longer than max_prompt_length={limit} cut by {max(lengths) - limit} tokens" in caplog.text
+    full = tokenizer(text=QUESTIONS[1])["input_ids"]
+    cut = next(ids for ids, answer in zip(batch["prompt_ids"], batch["columns"]["answer"]) if answer == "1")
+    assert cut == (full[-limit:] if prompt_truncation == "keep_end" else full[:limit])
+
+
+def test_embedded_prompts_and_held_out_validation():
+    datamodule = PromptDataModule(batch_size=4, val_size=8, max_prompt_length=64)
+    datamodule.setup("fit")
+    assert len(datamodule.datasets["validation"]) == 8 and len(datamodule.datasets["train"]) == 1992
+    batch = next(iter(datamodule.train_dataloader()))
+    assert len(batch["prompt_ids"]) == 4 and set(batch["columns"]) == {"answer"}
+    question = batch["prompt"][0][0]["content"]
+    a, b = (int(x) for x in question.removeprefix("What is ").removesuffix("?").split(" + "))
+    assert batch["columns"]["answer"][0] == str(a + b)
+    assert datamodule.prompt_counts["train"].truncated_prompts == 0
+
+
+def test_bad_data_is_refused_with_where_it_is(tmp_path):
+    with pytest.raises(ValueError, match="needs a 'prompt' column"):
+        _loaded(datasets.Dataset.from_list([{"question": "2 + 2"}]))
+    with pytest.raises(ValueError, match=r"\['completions'\] would be passed to the reward functions"):
+        _loaded(datasets.Dataset.from_list([{"prompt": "2 + 2", "completions": "4"}]))
+    path = tmp_path / "prompts.jsonl"
+    rows = [make_arithmetic_prompt(random.Random(0)), {"prompt": "", "answer": "0"}]
+    path.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    with pytest.raises(ValueError, match=rf"{path} line 2: .*no tokens"):
+        _loaded(str(path))
+    with pytest.raises(ValueError, match="max_prompt_length"):
+        PromptDataModule(max_prompt_length=0)
+    with pytest.raises(ValueError, match="prompt_truncation"):
+        PromptDataModule(prompt_truncation="middle")
