@@ -44,7 +44,10 @@ class MemoryPlanCheck(Callback):
 
     Needs a :class:`~lit_memtrain.objectives.causal_lm.CausalLMModule` and a datamodule with ``max_length`` and ``batch_size``
     such as :class:`~lit_memtrain.datamodules.sft.SFTDataModule`, or a :class:`~lit_memtrain.objectives.dpo.DPOModule` and a
-    :class:`~lit_memtrain.datamodules.preference.PreferenceDataModule`; other modules are skipped with a warning.
+    :class:`~lit_memtrain.datamodules.preference.PreferenceDataModule`, or a
+    :class:`~lit_memtrain.objectives.grpo.GRPOModule` and a :class:`~lit_memtrain.datamodules.prompts.PromptDataModule`
+    (the generation phase planned beside the training step, :mod:`lit_memtrain.planner.generation`); other modules
+    are skipped with a warning.
 
     Args:
         gpu_memory_gib: memory of one GPU to plan for. Default: the training device's on CUDA; elsewhere the
@@ -96,9 +99,11 @@ class MemoryPlanCheck(Callback):
             rank_zero_warn(f"MemoryPlanCheck plans CausalLMModule fits only; {type(pl_module).__name__} is skipped.")
             return None
         datamodule = trainer.datamodule
-        if not all(hasattr(datamodule, name) for name in ("max_length", "batch_size")):
+        lengths = ("max_length", "max_prompt_length")  # rows (SFT, DPO), or prompts a GRPO step completes
+        if not hasattr(datamodule, "batch_size") or not any(hasattr(datamodule, name) for name in lengths):
             rank_zero_warn(
-                "MemoryPlanCheck needs a datamodule with max_length and batch_size (SFTDataModule): skipped."
+                "MemoryPlanCheck needs a datamodule with max_length (SFTDataModule) or max_prompt_length "
+                "(PromptDataModule) and batch_size: skipped."
             )
             return None
         gpu_memory_gib = self.gpu_memory_gib

@@ -61,7 +61,10 @@ def load_balancing_loss(model: nn.Module, router_logits: tuple[Tensor, ...], att
         ValueError: the model's module defines no ``load_balancing_loss_func``, or no router logits came back.
     """
     base = _base_model(model)
-    function = getattr(sys.modules[type(base).__module__], "load_balancing_loss_func", None)
+    # The module of the model's own class: FSDP2's fully_shard swaps in a subclass defined in torch's module.
+    modules = (sys.modules.get(cls.__module__) for cls in type(base).__mro__)
+    function = next((module.load_balancing_loss_func for module in modules
+                     if hasattr(module, "load_balancing_loss_func")), None)  # fmt: skip
     if function is None or not router_logits:
         raise ValueError(
             f"{type(base).__name__} has routers but its module defines no load_balancing_loss_func (or returned no "

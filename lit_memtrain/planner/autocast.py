@@ -104,11 +104,16 @@ def _fp32_kernel(op: torch._ops.OpOverload, device_type: str):
 
 
 def _fp32_output_kernel(op: torch._ops.OpOverload, device_type: str):
-    takes_dtype = any(argument.name == "dtype" for argument in op._schema.arguments)
+    names = [argument.name for argument in op._schema.arguments]
+    position = names.index("dtype") if "dtype" in names else None
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        if takes_dtype and args and _eligible(args[0], device_type) and kwargs.get("dtype") is None:
-            kwargs = {**kwargs, "dtype": torch.float32}
+        if position is not None and args and _eligible(args[0], device_type):
+            if len(args) > position:  # passed by position (``tensor.softmax(dim, dtype)``)
+                if args[position] is None:
+                    args = (*args[:position], torch.float32, *args[position + 1 :])
+            elif kwargs.get("dtype") is None:
+                kwargs = {**kwargs, "dtype": torch.float32}
         with _without_autocast():
             return op(*args, **kwargs)
 

@@ -116,16 +116,10 @@ def _plan(
     if options.compare or options.plot:
         report.comparison = planner.comparison()
     if options.plot:
-        from lit_memtrain.planner.plot import plot_lengths, write_plot
+        from lit_memtrain.planner.plot import write_plot
 
-        write_plot(
-            options.plot,
-            report.comparison,
-            lambda row, length: planner.simulate(row.techniques, length).memory.device_peak,
-            plot_lengths(report.comparison, settings.max_length),
-            budget,
-            f"{report.to_json()['model']}, {settings.precision}, batch {settings.batch_size}: simulated peak per rank",
-        )
+        title = f"{report.to_json()['model']}, {settings.precision}, batch {settings.batch_size}: simulated peak per rank"
+        write_plot(options.plot, report.comparison, budget, title)
         report.plot = options.plot
     return report
 

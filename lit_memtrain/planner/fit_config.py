@@ -5,8 +5,9 @@ dicts: nothing is instantiated, so no tokenizer, dataset, Trainer or weights are
 config that names its classes (``model: {class_path: lit_memtrain.DPOModule, ...}``, as ``configs/dpo.yaml``
 does) is parsed as ``fit`` parses it, and planned when its classes are ones whose step the planner knows:
 :class:`~lit_memtrain.objectives.causal_lm.CausalLMModule` on :class:`~lit_memtrain.datamodules.sft.SFTDataModule` rows, or
-:class:`~lit_memtrain.objectives.dpo.DPOModule` on :class:`~lit_memtrain.datamodules.preference.PreferenceDataModule` pairs
-(or subclasses that keep that step); any other is refused with what to give instead.
+:class:`~lit_memtrain.objectives.dpo.DPOModule` or :class:`~lit_memtrain.objectives.reward.RewardModule` on
+:class:`~lit_memtrain.datamodules.preference.PreferenceDataModule` pairs (or subclasses that keep that step); any
+other is refused with what to give instead.
 
 What a configuration leaves out takes the default of the class that owns it, read from its signature (the
 datamodule's ``max_length`` and ``batch_size``, the Trainer's, the strategy's). The ``MemoryPlanCheck`` callback
@@ -24,6 +25,7 @@ from lightning.pytorch import Trainer
 from lit_memtrain.planner.settings import (
     CAUSAL_LM_MODULE,
     DPO_MODULE,
+    REWARD_MODULE,
     CallbackSpec,
     PlanSettings,
     StrategySpec,
@@ -36,15 +38,18 @@ from lit_memtrain.planner.settings import (
 __all__ = ["planned_module_class", "settings_from_config", "strategy_spec"]
 
 _SINGLE_PROCESS = ("single_device", "singledevice", "singledevicestrategy")
-# What the simulated step runs of CausalLMModule and DPOModule: a subclass that overrides one of these trains differently.
+# What the simulated step runs of CausalLMModule, DPOModule and RewardModule: a subclass that overrides one of these
+# trains differently.
 _STEP_METHODS = (
     "training_step", "compute_loss", "_chunked_loss", "_hidden_and_head", "_model_inputs",
     "pair_loss", "sequence_logps", "_chunked_token_logps", "batch_reference_logps",
+    "sequence_rewards", "_score_sequences", "_score_head",
 )  # fmt: skip
 # The data each planned module is trained on, whose arguments give the rows of a step.
 _DATA_OF = {
     CAUSAL_LM_MODULE: "lit_memtrain.datamodules.sft.SFTDataModule",
     DPO_MODULE: "lit_memtrain.datamodules.preference.PreferenceDataModule",
+    REWARD_MODULE: "lit_memtrain.datamodules.preference.PreferenceDataModule",
 }
 
 
@@ -57,6 +62,8 @@ def settings_from_config(config: dict[str, Any]) -> PlanSettings:
     """
     model_class, model = _class_and_arguments(config.get("model"), CAUSAL_LM_MODULE)
     data_class, data = _class_and_arguments(config.get("data"), _DATA_OF[CAUSAL_LM_MODULE])
+    if _is_grpo(model_class):  # a generation phase beside an SFT-like step on the completions
+        return _grpo_settings(model_class, model, data_class, data, config.get("trainer") or {})
     module_class = planned_module_class(model_class, (config.get("model") or {}).get("overridden_methods", ()))
     expected_data = _DATA_OF[module_class]
     data_type = _resolve(data_class, "data")
@@ -84,9 +91,34 @@ def settings_from_config(config: dict[str, Any]) -> PlanSettings:
     )
 
 
+def _is_grpo(model_class: str | type) -> bool:
+    from lit_memtrain.objectives.grpo import GRPOModule
+
+    return issubclass(_resolve(model_class, "model"), GRPOModule)
+
+
+def _grpo_settings(
+    model_class: str | type, model: dict[str, Any], data_class: str, data: dict[str, Any], trainer: dict[str, Any]
+) -> PlanSettings:
+    """A GRPO / RLOO fit's settings (:mod:`lit_memtrain.planner.generation`): its training step and generation."""
+    from lit_memtrain.planner.generation import grpo_training_settings
+
+    trainer = {**init_defaults(Trainer), **trainer}
+    data = {**init_defaults(_resolve(data_class, "data")), **data}
+    base = {
+        "precision": normalise_precision(trainer["precision"]),
+        "callbacks": tuple(_callback_spec(entry) for entry in (trainer["callbacks"] or [])),
+        "strategy": strategy_spec(trainer["strategy"], trainer["devices"], trainer["num_nodes"]),
+        "tokenizer": model.get("tokenizer", data.get("tokenizer")),
+    }
+    arguments, _ = grpo_training_settings(_class_path(_resolve(model_class, "model")), model, data, base)
+    return PlanSettings(**arguments)
+
+
 def planned_module_class(model_class: str | type, overridden_methods: Iterable[str] = ()) -> str:
     """The module whose training step the plan simulates for ``model_class`` (a class or its ``class_path``):
-    :data:`CAUSAL_LM_MODULE` or :data:`DPO_MODULE`, for that class or a subclass that keeps its step.
+    :data:`CAUSAL_LM_MODULE`, :data:`DPO_MODULE` or :data:`REWARD_MODULE`, for that class or a subclass that keeps
+    its step.
     ``overridden_methods`` are methods a subclass the planner cannot import (one defined in a training script)
     defines on top of ``model_class``.
 
@@ -95,13 +127,15 @@ def planned_module_class(model_class: str | type, overridden_methods: Iterable[s
     """
     from lit_memtrain.objectives.dpo import DPOModule
     from lit_memtrain.objectives.causal_lm import CausalLMModule
+    from lit_memtrain.objectives.reward import RewardModule
 
     cls = _resolve(model_class, "model")
-    base = next((known for known in (DPOModule, CausalLMModule) if issubclass(cls, known)), None)
+    base = next((known for known in (DPOModule, RewardModule, CausalLMModule) if issubclass(cls, known)), None)
     if base is None:
         raise ValueError(
             f"model.class_path is {_class_path(cls)!r}: the planner simulates the training steps of "
-            "lit_memtrain.CausalLMModule (SFT) and lit_memtrain.DPOModule only. Give one of them as model.class_path."
+            "lit_memtrain.CausalLMModule (SFT), lit_memtrain.DPOModule and lit_memtrain.RewardModule only. Give one of "
+            "them as model.class_path."
         )
     overridden = [
         name

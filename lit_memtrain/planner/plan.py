@@ -83,7 +83,8 @@ class Planner:
     """Simulations of one configuration and its variants against one budget, each simulated once.
 
     Run in a process whose stand-in device is registered (see :mod:`lit_memtrain.planner.simulate`).
-    ``progress`` receives a line per simulation (the CLI prints them to stderr).
+    ``progress`` receives a line per simulation, as it ends (the CLI prints them to stderr): what it was for, the
+    techniques and length tried, the peak and whether it fits, the CPU time it took.
     """
 
     settings: PlanSettings
@@ -91,28 +92,40 @@ class Planner:
     progress: Callable[[str], None] = field(default=lambda line: print(line, file=sys.stderr, flush=True))
     _simulations: dict[tuple[Techniques, int], StepSimulation] = field(default_factory=dict)
 
-    def simulate(self, techniques: Techniques | None = None, max_length: int | None = None) -> StepSimulation:
-        """One step with ``techniques`` (default: the configuration's own) and rows of ``max_length`` tokens."""
+    def simulate(
+        self, techniques: Techniques | None = None, max_length: int | None = None, purpose: str = "plan"
+    ) -> StepSimulation:
+        """One step with ``techniques`` (default: the configuration's own) and rows of ``max_length`` tokens;
+        ``purpose`` names what it is for in the progress line."""
         techniques = techniques_of(self.settings) if techniques is None else techniques
         max_length = self.settings.max_length if max_length is None else max_length
         key = (techniques, max_length)
         if key not in self._simulations:
             start = time.process_time()
             step = simulate_fit_step(with_techniques(self.settings, techniques), max_length)
+            if self.settings.generation is not None:  # GRPO: the generation phase beside the training step
+                from lit_memtrain.planner.generation import with_generation
+
+                step = with_generation(step, self.settings, self.budget.gpu_memory)
+            peak = step.memory.device_peak
+            verdict = "fits" if self.budget.fits(peak) else "does not fit"
             self.progress(
-                f"simulated {techniques.describe()} at {max_length:,} tokens per row: peak "
-                f"{step.memory.device_peak / GIB:,.2f} GiB ({time.process_time() - start:.1f} s CPU)"
+                f"[{purpose}] {techniques.describe()} at {max_length:,} tokens per row: {peak / GIB:,.2f} GiB, "
+                f"{verdict} ({time.process_time() - start:.1f} s CPU)"
             )
             self._simulations[key] = step
         return self._simulations[key]
 
-    def longest_length(self, techniques: Techniques | None = None) -> LengthSearch:
-        """The longest ``max_length`` (to the nearest 1,024 tokens below) that fits the budget."""
+    def longest_length(self, techniques: Techniques | None = None, purpose: str = "longest length") -> LengthSearch:
+        """The longest ``max_length`` that fits the budget, to within 1% of it (see
+        :mod:`lit_memtrain.planner.search`)."""
         techniques = techniques_of(self.settings) if techniques is None else techniques
+        configured = self.simulate(techniques, purpose=purpose)
         return find_max_length(
-            lambda length: self.simulate(techniques, length).memory.device_peak,
+            lambda length: self.simulate(techniques, length, purpose).memory.device_peak,
             self.budget.usable,
             start=self.settings.max_length,
+            fixed=configured.memory.fixed,
         )
 
     def suggestion(self) -> dict[str, Any] | None:
@@ -132,7 +145,7 @@ class Planner:
             if updated == candidate:
                 continue
             try:
-                step = self.simulate(updated)
+                step = self.simulate(updated, purpose="what to add")
             except ValueError:
                 continue
             candidate = updated
@@ -157,11 +170,11 @@ class Planner:
             row = ComparisonRow(name, techniques, note)
             if techniques is not None:
                 try:
-                    row.step = self.simulate(techniques)
+                    row.step = self.simulate(techniques, purpose=f"compare {name}")
                 except ValueError as error:
                     row.techniques, row.note = None, str(error)
                 else:
-                    row.search = self.longest_length(techniques)
+                    row.search = self.longest_length(techniques, purpose=f"compare {name}")
             rows.append(row)
         return rows
 

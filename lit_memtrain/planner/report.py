@@ -7,7 +7,7 @@ from typing import Any
 
 from lit_memtrain.planner.plan import Budget, ComparisonRow, breakdown
 from lit_memtrain.planner.search import LengthSearch
-from lit_memtrain.planner.settings import PlanSettings
+from lit_memtrain.planner.settings import DPO_MODULE, PlanSettings
 from lit_memtrain.planner.step import StepSimulation
 from lit_memtrain.planner.techniques import is_technique, techniques_of
 
@@ -69,6 +69,7 @@ class PlanReport:
             "parameters": self.step.parameters,
             "trainable_parameters": self.step.trainable_parameters,
             "layers": self.step.layers,
+            "vocab_size": self.step.vocab_size,
             "precision": self.settings.precision,
             "techniques": techniques_of(self.settings).describe(),
             "strategy": {
@@ -86,6 +87,7 @@ class PlanReport:
             result["suggestion"] = self.suggestion
         if self.search is not None:
             result["max_length"] = self.search.max_length
+            result["too_long"] = self.search.too_long
         if self.comparison is not None:
             result["compare"] = [_row_json(row, self.budget) for row in self.comparison]
         if self.plot is not None:
@@ -100,10 +102,12 @@ class PlanReport:
         else:
             rows = f"{sequences} row{'s' if sequences > 1 else ''} of {self.step.max_length:,} tokens"
         if settings.preference:
-            rows = f"DPO, {settings.batch_size} pair(s) (chosen and rejected sequences): {rows}"
+            kind = "DPO" if settings.module_class == DPO_MODULE else "reward model"
+            rows = f"{kind}, {settings.batch_size} pair(s) (chosen and rejected sequences): {rows}"
         lines = [
             f"Model: {_model_name(settings)}, {_count(self.step.parameters)} parameters "
-            f"({_count(self.step.trainable_parameters)} trainable), {self.step.layers} decoder layers",
+            f"({_count(self.step.trainable_parameters)} trainable), {self.step.layers} decoder layers, "
+            f"vocabulary {self.step.vocab_size:,}",
             f"Step: {rows}, {settings.precision}, "
             f"{settings.accumulate_grad_batches} micro-batch(es) per optimizer step, strategy {settings.strategy.name} "
             f"({_ranks(settings)})",
@@ -190,7 +194,7 @@ def _suggestion_text(suggestion: dict[str, Any], budget: Budget, settings: PlanS
         "keep them in host memory (--trainer.strategy=lit_memtrain.strategies.FSDP2Strategy, cpu_offload: true)"
     )
     length_options = "lower data.max_length (--find-max-length gives the longest that fits)"
-    if not settings.preference:  # DPOModule refuses context parallelism
+    if not settings.preference:  # DPOModule and RewardModule refuse context parallelism
         length_options += (
             " or split the sequence across GPUs (lit_memtrain.strategies.ContextParallelStrategy; plan it with "
             "--context-parallel-size)"
@@ -205,9 +209,10 @@ def _suggestion_text(suggestion: dict[str, Any], budget: Budget, settings: PlanS
 def _length_text(search: LengthSearch, settings: PlanSettings) -> str:
     if search.max_length == 0:
         return "Longest max_length that fits: none (not even 1,024 tokens per row)."
+    bound = "the search's ceiling" if search.too_long is None else f"within 1%: {search.too_long:,} does not fit"
     return (
-        f"Longest max_length that fits: {search.max_length:,} tokens per row (to the nearest 1,024 below; "
-        f"{len(search.peaks)} lengths simulated); configured: {settings.max_length:,}."
+        f"Longest max_length that fits: {search.max_length:,} tokens per row ({bound}; {len(search.peaks)} lengths "
+        f"simulated); configured: {settings.max_length:,}."
     )
 
 
@@ -220,6 +225,7 @@ def _row_json(row: ComparisonRow, budget: Budget) -> dict[str, Any]:
                       fits=budget.fits(row.step.memory.device_peak))  # fmt: skip
     if row.search is not None:
         result["max_length"] = row.search.max_length
+        result["too_long"] = row.search.too_long
     return result
 
 

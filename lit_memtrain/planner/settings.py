@@ -18,6 +18,7 @@ from lit_memtrain.parallel.dims import ParallelDims
 __all__ = [
     "CAUSAL_LM_MODULE",
     "DPO_MODULE",
+    "REWARD_MODULE",
     "CallbackSpec",
     "PlanSettings",
     "StrategySpec",
@@ -27,9 +28,12 @@ __all__ = [
     "normalise_precision",
 ]
 
-# The modules whose training step a plan simulates: SFT (cross-entropy) and DPO (a pair's two sequences per step).
+# The modules whose training step a plan simulates: SFT (cross-entropy), and DPO and reward models (a pair's two
+# sequences per step).
 CAUSAL_LM_MODULE = "lit_memtrain.objectives.causal_lm.CausalLMModule"
 DPO_MODULE = "lit_memtrain.objectives.dpo.DPOModule"
+REWARD_MODULE = "lit_memtrain.objectives.reward.RewardModule"
+_PAIR_MODULES = (DPO_MODULE, REWARD_MODULE)
 
 _PRECISIONS = {
     "32": "32-true", "32-true": "32-true", "64": "64-true", "64-true": "64-true",
@@ -183,10 +187,13 @@ class PlanSettings:
         padding_free: rows are flattened into one (packing or ``padding_free``).
         accumulate_grad_batches: micro-batches per optimizer step.
         strategy: the distributed strategy.
-        tokenizer: the tokenizer a preset model takes its vocabulary from.
+        tokenizer: the tokenizer, which must fit inside the model's vocabulary (and fills a config dict's).
         module_class: :data:`CAUSAL_LM_MODULE` (an SFT step: ``batch_size`` rows) or :data:`DPO_MODULE` (a DPO
             step: ``batch_size`` pairs, so ``2 x batch_size`` sequences of up to ``max_length`` tokens each, and
-            ``module`` also holds ``beta``, ``preference_loss`` and ``reference``).
+            ``module`` also holds ``beta``, ``preference_loss`` and ``reference``), or :data:`REWARD_MODULE` (a
+            reward model's step: ``batch_size`` pairs, as DPO's).
+        generation: a GRPO / RLOO fit's generation phase (:class:`~lit_memtrain.planner.generation.GenerationPlan`),
+            planned beside the step these settings describe (its training on the completions); None otherwise.
     """
 
     module: dict[str, Any]
@@ -199,18 +206,19 @@ class PlanSettings:
     strategy: StrategySpec = StrategySpec()
     tokenizer: str | None = None
     module_class: str = CAUSAL_LM_MODULE
+    generation: Any = None
 
     def __post_init__(self) -> None:
-        if self.module_class not in (CAUSAL_LM_MODULE, DPO_MODULE):
+        if self.module_class not in (CAUSAL_LM_MODULE, *_PAIR_MODULES):
             raise ValueError(
-                f"The planner simulates the steps of {CAUSAL_LM_MODULE} and {DPO_MODULE}, got module_class="
-                f"{self.module_class!r}."
+                f"The planner simulates the steps of {CAUSAL_LM_MODULE}, {DPO_MODULE} and {REWARD_MODULE}, got "
+                f"module_class={self.module_class!r}."
             )
         if self.preference and self.strategy.context_parallel_size > 1:
             raise ValueError(
-                f"DPOModule does not support context parallelism (context_parallel_size="
-                f"{self.strategy.context_parallel_size}): a pair's log-probabilities are sums over whole sequences, "
-                "which sequence shards do not hold. Plan it without context parallelism (FSDP2Strategy, no "
+                f"{self.module_class.rsplit('.', 1)[-1]} does not support context parallelism (context_parallel_size="
+                f"{self.strategy.context_parallel_size}): a pair's log-probabilities or rewards are read from whole "
+                "sequences, which sequence shards do not hold. Plan it without context parallelism (FSDP2Strategy, no "
                 "--context-parallel-size), with cpu_offload, checkpointing and tiled MLP for long pairs."
             )
         if not any(self.module.get(name) for name in ("model", "preset", "config")):
@@ -229,12 +237,13 @@ class PlanSettings:
 
     @property
     def preference(self) -> bool:
-        """Whether the step is DPO's: each of the ``batch_size`` pairs is two sequences (chosen and rejected)."""
-        return self.module_class == DPO_MODULE
+        """Whether the step is DPO's or a reward model's: each of the ``batch_size`` pairs is two sequences (chosen
+        and rejected)."""
+        return self.module_class in _PAIR_MODULES
 
     @property
     def sequences(self) -> int:
-        """Sequences of one micro-batch: ``batch_size`` rows, or two per pair for DPO."""
+        """Sequences of one micro-batch: ``batch_size`` rows, or two per pair (DPO, reward models)."""
         return 2 * self.batch_size if self.preference else self.batch_size
 
     @property

@@ -61,9 +61,9 @@ from transformers.modeling_utils import AttentionInterface
 from lit_memtrain.models.layers import find_decoder_layers
 from lit_memtrain.models.presets import build_config
 from lit_memtrain.planner.autocast import register_stand_in_autocast
-from lit_memtrain.planner.tracker import MemoryTracker
+from lit_memtrain.planner.tracker import MemoryTracker, Segment
 from lit_memtrain.techniques.checkpointing import apply_checkpointing
-from lit_memtrain.techniques.loss import chunked_cross_entropy, cross_entropy
+from lit_memtrain.techniques.loss import chunked_cross_entropy, cross_entropy, selected_loss_chunks
 from lit_memtrain.techniques.rms_norm import probe_rms_norm, probed_with, selected_chunks
 from lit_memtrain.techniques.tiled_mlp import apply_tiled_mlp, selected_tiles
 
@@ -73,6 +73,8 @@ __all__ = [
     "fake_causal_lm",
     "fixed_bytes",
     "measure_peak",
+    "measure_segments",
+    "meta_causal_lm",
     "simulate_step",
     "stand_in_device",
     "step_phases",
@@ -210,8 +212,10 @@ def fake_causal_lm(
     config: PretrainedConfig | str,
     dtype: torch.dtype = torch.bfloat16,
     prepare: Callable[[PreTrainedModel], torch.nn.Module] | None = None,
+    model_class: type = AutoModelForCausalLM,
 ) -> torch.nn.Module:
-    """A causal LM on the stand-in device with fake (storage-less) weights, in training mode.
+    """A causal LM (or another ``model_class``, such as a reward model's sequence classifier) on the stand-in device
+    with fake (storage-less) weights, in training mode.
 
     Call inside ``FakeTensorMode(allow_non_fake_inputs=True)``. Attention uses the simulated O(L) kernel.
     ``prepare`` runs on the model while it is still on the meta device (a LoRA wrapper, a dtype conversion)
@@ -219,12 +223,8 @@ def fake_causal_lm(
     """
     if not isinstance(active_fake_mode(), FakeTensorMode):
         raise RuntimeError("fake_causal_lm must be called inside FakeTensorMode(allow_non_fake_inputs=True).")
-    config = build_config(config) if isinstance(config, str) else copy.deepcopy(config)
-    AttentionInterface.register(SIMULATED_ATTENTION, _flash_attention)
-    with unset_fake_temporarily(), torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=SIMULATED_ATTENTION)
-        if prepare is not None:
-            model = prepare(model)
+    with unset_fake_temporarily():
+        model = meta_causal_lm(config, dtype, prepare, model_class)
     shared = _shared_parameters(model)
     model.to_empty(device=stand_in_device())
     for names in shared:  # to_empty gives each module its own copy of a shared (tied) parameter
@@ -233,6 +233,21 @@ def fake_causal_lm(
             owner, _, attribute = name.rpartition(".")
             setattr(model.get_submodule(owner), attribute, parameter)
     return model.train()
+
+
+def meta_causal_lm(
+    config: PretrainedConfig | str,
+    dtype: torch.dtype = torch.bfloat16,
+    prepare: Callable[[PreTrainedModel], torch.nn.Module] | None = None,
+    model_class: type = AutoModelForCausalLM,
+) -> torch.nn.Module:
+    """The model :func:`fake_causal_lm` places on the stand-in device, still on the meta device: built from
+    ``config`` with the simulated attention, then ``prepare``d. Cheap (no storage): what the planner inspects."""
+    config = build_config(config) if isinstance(config, str) else copy.deepcopy(config)
+    AttentionInterface.register(SIMULATED_ATTENTION, _flash_attention)
+    with torch.device("meta"):
+        model = model_class.from_config(config, dtype=dtype, attn_implementation=SIMULATED_ATTENTION)
+        return prepare(model) if prepare is not None else model
 
 
 def _shared_parameters(model: torch.nn.Module) -> list[list[str]]:
@@ -273,6 +288,18 @@ def measure_peak(
     ``"gradients"``). Data-dependent selections (``nonzero``) select every element.
     With ``model`` (a causal LM), the phase of the peak names the decoder layer (see :func:`step_phases`).
     """
+    return measure_segments(fn, *tracked, labelled=labelled, model=model)[0]
+
+
+def measure_segments(
+    fn: Callable[[], object],
+    *tracked: torch.nn.Module | torch.optim.Optimizer | Tensor,
+    labelled: Iterable[tuple[Tensor, str]] = (),
+    model: torch.nn.Module | None = None,
+) -> tuple[MemoryReport, tuple[Segment, ...]]:
+    """:func:`measure_peak`, and the step's phases in order, each with its most bytes alive per device (see
+    :class:`~lit_memtrain.planner.tracker.Segment`): what :mod:`lit_memtrain.planner.layers` extrapolates a model
+    simulated with a few of its decoder layers from."""
     tracker = MemoryTracker()
     tracker.track_external(*tracked)
     for tensor, kind in labelled:
@@ -281,7 +308,7 @@ def measure_peak(
     with phases, tracker:
         fn()
     device, host = stand_in_device(), torch.device("cpu")
-    return MemoryReport(
+    report = MemoryReport(
         device_peak=tracker.peak.get(device, 0),
         host_peak=tracker.peak.get(host, 0),
         device_at_peak=tracker.peak_breakdown.get(device, {}),
@@ -289,6 +316,7 @@ def measure_peak(
         phase=tracker.peak_phase.get(device, ""),
         host_at_peak=tracker.peak_breakdown.get(host, {}),
     )
+    return report, tuple(tracker.segments)
 
 
 @contextlib.contextmanager
@@ -336,10 +364,14 @@ def step_phases(model: torch.nn.Module, tracker: MemoryTracker) -> Iterator[None
 
 @contextlib.contextmanager
 def tiles_simulated_once() -> Iterator[None]:
-    """Run only the first three tiles and the last of each tiled MLP and chunked RMSNorm (see the module
-    docstring for why the peak is exact). For fake tensors only: on real ones the other tiles' outputs would be
-    left empty."""
-    with selected_tiles(_first_three_and_last), selected_chunks(_first_three_and_last):
+    """Run only the first three tiles and the last of each tiled MLP, chunked RMSNorm and chunked loss (see the
+    module docstring for why the peak is exact). For fake tensors only: on real ones the other tiles' outputs would
+    be left empty."""
+    with (
+        selected_tiles(_first_three_and_last),
+        selected_chunks(_first_three_and_last),
+        selected_loss_chunks(_first_three_and_last),
+    ):
         yield
 
 

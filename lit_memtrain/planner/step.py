@@ -25,6 +25,8 @@ What differs from a GPU run, on purpose:
 - AdamW is fused, as ``configure_optimizers`` chooses on CUDA (the stand-in device is not CUDA).
 - Rows are full (``max_length`` tokens, every target trainable) and passed without ``position_ids`` (one
   document per row; transformers builds the same positions itself).
+- A :class:`~lit_memtrain.objectives.reward.RewardModule` step is its ``pair_loss`` too, over the same batch: the
+  decoder over the ``2 x batch_size`` sequences and the score head at each one's last token.
 - A :class:`~lit_memtrain.objectives.dpo.DPOModule` step is its ``pair_loss`` (what its ``training_step`` returns): the
   policy over the ``2 x batch_size`` sequences of the pairs (chosen and rejected, each ``max_length`` tokens;
   padding-free, all of them in one row), the completion log-probabilities, and the reference's: read from the
@@ -37,6 +39,7 @@ What differs from a GPU run, on purpose:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -48,19 +51,37 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from lit_memtrain.models.layers import find_decoder_layers
 from lit_memtrain.models.lora import LoraSettings, apply_lora
-from lit_memtrain.models.builder import DTYPES, ModelRecipe, causal_lm_config
+from lit_memtrain.models.builder import (
+    DTYPES,
+    ModelRecipe,
+    auto_model_class,
+    causal_lm_config,
+    config_for_task,
+    peft_task_type,
+)
+from lit_memtrain.planner.layers import (
+    Reduction,
+    applied_layers_differ,
+    extrapolate,
+    layers_differ,
+    reduced_model_differs,
+    technique_anchoring,
+    with_layer_count,
+)
 from lit_memtrain.planner.per_rank import check_strategy, device_mesh, flash_sdpa, set_up_rank, shard_model
-from lit_memtrain.planner.settings import PlanSettings, init_parameters
+from lit_memtrain.planner.settings import DPO_MODULE, PlanSettings, init_parameters
 from lit_memtrain.planner.simulate import (
     STAND_IN_DEVICE,
     MemoryReport,
     fake_causal_lm,
-    measure_peak,
+    measure_segments,
+    meta_causal_lm,
     norm_probes_on_real_tensors,
     stand_in_device,
     tiles_simulated_once,
 )
 from lit_memtrain.planner.techniques import is_technique
+from lit_memtrain.planner.tracker import Segment
 from lit_memtrain.objectives.probes import LogitTransform
 
 __all__ = ["StepSimulation", "simulate_fit_step"]
@@ -79,6 +100,7 @@ class StepSimulation:
         parameters: parameters of the model (adapters included).
         trainable_parameters: those the optimizer updates.
         layers: decoder layers.
+        vocab_size: rows of the embedding and of the LM head (a preset's own; the logits are tokens x this).
         notes: what the plan should say alongside the figures (assumptions, what is not included).
     """
 
@@ -87,6 +109,7 @@ class StepSimulation:
     parameters: int
     trainable_parameters: int
     layers: int
+    vocab_size: int
     notes: tuple[str, ...]
 
 
@@ -99,8 +122,15 @@ class _StepTrainer:
     estimated_stepping_batches: int = 1
 
 
-def simulate_fit_step(settings: PlanSettings, max_length: int | None = None) -> StepSimulation:
+def simulate_fit_step(
+    settings: PlanSettings, max_length: int | None = None, *, whole: bool = False
+) -> StepSimulation:
     """Simulate one optimizer step of ``settings`` with rows of ``max_length`` tokens (default: the settings').
+
+    A model whose decoder layers are identical is simulated with a few of them, twice, and its figures extrapolated
+    to all of them, exactly (:mod:`lit_memtrain.planner.layers`); one whose layers cannot be shown identical, or
+    whose techniques the planner cannot show to treat every layer alike, is simulated whole, and its notes say why.
+    ``whole=True`` simulates every layer anyway (what the extrapolation is tested against).
 
     Call in a process of its own (see :func:`~lit_memtrain.planner.simulate.stand_in_device`); several
     calls in one process are fine.
@@ -111,27 +141,153 @@ def simulate_fit_step(settings: PlanSettings, max_length: int | None = None) -> 
     max_length = settings.max_length if max_length is None else max_length
     if max_length < 1:
         raise ValueError(f"max_length must be at least 1 token, got {max_length}.")
-    notes: list[str] = []
-    module_class = _resolve_module_class(settings.module_class)
-    module = module_class(**_module_arguments(settings.module, module_class))
-    model_config = _model_config(module.recipe, settings, notes)
-    build_dtype = _build_dtype(module.recipe, model_config)
-    convert_dtype = _TRUE_PRECISION_DTYPES.get(settings.precision)
+    model = _ModelPlan.of(settings)
+    reduction = "" if whole else _reduction(settings, model)
+    if isinstance(reduction, Reduction):
+        try:
+            smaller = [_simulate(settings, model, max_length, count) for count in reduction.counts]
+        except _SimulateWhole as refusal:
+            reduction = str(refusal)
+        else:
+            memory = extrapolate([(simulated.step.memory, simulated.segments) for simulated in smaller], reduction)
+            if isinstance(memory, MemoryReport):
+                return _extrapolated(smaller, memory, reduction.layers, settings)
+            reduction = memory
+    whole = _simulate(settings, model, max_length)
+    step = whole.step
+    if reduction:
+        note = f"Simulated with all {step.layers} decoder layers (slower): {reduction}."
+        step = dataclasses.replace(step, notes=(*step.notes, note))
+    return step
+
+
+class _SimulateWhole(Exception):
+    """The model cannot be simulated with fewer layers (the message says why): simulate it whole."""
+
+
+@dataclass(frozen=True)
+class _ModelPlan:
+    """What every simulation of one configuration builds its model from, read once."""
+
+    module_class: type
+    arguments: dict[str, Any]
+    recipe: ModelRecipe
+    lora: LoraSettings | None
+    config: Any
+    build_dtype: torch.dtype
+    convert_dtype: torch.dtype | None
+    notes: tuple[str, ...]
+
+    @classmethod
+    def of(cls, settings: PlanSettings) -> _ModelPlan:
+        notes: list[str] = []
+        module_class = _resolve_module_class(settings.module_class)
+        arguments = _module_arguments(settings.module, module_class)
+        module = module_class(**arguments)
+        model_config = _task_config(_model_config(module.recipe, settings, notes), module.recipe)
+        return cls(
+            module_class=module_class,
+            arguments=arguments,
+            recipe=module.recipe,
+            lora=module.lora,
+            config=model_config,
+            build_dtype=_build_dtype(module.recipe, model_config),
+            convert_dtype=_TRUE_PRECISION_DTYPES.get(settings.precision),
+            notes=tuple(notes),
+        )
+
+    @property
+    def model_class(self) -> type:
+        return auto_model_class(self.recipe)
+
+    def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
+        """What the module does to the model before it is placed (on the meta device): LoRA, a ``-true`` dtype."""
+        if self.lora is not None:
+            model = apply_lora(model, self.lora, peft_task_type(self.recipe))
+        return model.to(dtype=self.convert_dtype) if self.convert_dtype is not None else model
+
+    def meta_model(self, layers: int | None = None) -> torch.nn.Module:
+        config = self.config if layers is None else with_layer_count(self.config, layers)
+        return meta_causal_lm(config, self.build_dtype, self.prepare, self.model_class)
+
+
+def _reduction(settings: PlanSettings, model: _ModelPlan) -> Reduction | str:
+    """How the step's model is simulated with fewer layers, or why it is simulated whole ("" when it has too few
+    layers for that to be quicker)."""
+    callbacks = [spec.instantiate() for spec in settings.callbacks if is_technique(spec.resolve())]
+    anchored = technique_anchoring(callbacks)
+    if isinstance(anchored, str):
+        return anchored
+    reduction = Reduction(model.config.get_text_config().num_hidden_layers, anchored)
+    if not reduction.worthwhile:
+        return ""
+    refusal = _identical_layers(model)
+    return reduction if refusal is None else refusal
+
+
+def _identical_layers(model: _ModelPlan) -> str | None:
+    """Why the model's layers cannot be shown identical, or None; checked once per model and process."""
+    key = (model.config.to_json_string(), model.build_dtype, model.convert_dtype, repr(model.lora), model.model_class)
+    if key not in _LAYER_CHECKS:
+        whole = model.meta_model()
+        refusal = layers_differ(whole)
+        if refusal is None:
+            refusal = reduced_model_differs(whole, model.meta_model(3))
+        _LAYER_CHECKS[key] = refusal
+    return _LAYER_CHECKS[key]
+
+
+_LAYER_CHECKS: dict[tuple[Any, ...], str | None] = {}
+
+
+@dataclass(frozen=True)
+class _Simulated:
+    step: StepSimulation
+    segments: tuple[Segment, ...]  # the step's phases, as measure_segments gives them
+    ddp_buckets: int  # bytes of DDP's gradient buckets (0 without DDP)
+
+
+def _extrapolated(
+    smaller: list[_Simulated], memory: MemoryReport, layers: int, settings: PlanSettings
+) -> StepSimulation:
+    """The step of the whole model from its two smaller simulations (``memory`` extrapolated from theirs)."""
+    first, second = (simulated.step for simulated in smaller)
+    grown = layers - first.layers
+
+    def extrapolated(a: int, b: int) -> int:
+        return a + (b - a) * grown
+
+    buckets = extrapolated(smaller[0].ddp_buckets, smaller[1].ddp_buckets)
+    notes = [note for note in second.notes if not note.startswith(_DDP_NOTE)]
+    return dataclasses.replace(
+        second,
+        memory=memory,
+        parameters=extrapolated(first.parameters, second.parameters),
+        trainable_parameters=extrapolated(first.trainable_parameters, second.trainable_parameters),
+        layers=layers,
+        notes=(*_ddp_notes(settings, buckets), *notes),
+    )
+
+
+def _simulate(settings: PlanSettings, model: _ModelPlan, max_length: int, layers: int | None = None) -> _Simulated:
+    """One step, of the whole model or of the same model with ``layers`` decoder layers.
+
+    Raises:
+        _SimulateWhole: with ``layers``, the techniques or the strategy do not treat the layers alike.
+    """
+    notes = list(model.notes)
+    module = model.module_class(**model.arguments)
+    model_config = model.config if layers is None else with_layer_count(model.config, layers)
     callbacks = [spec.instantiate() for spec in settings.callbacks if is_technique(spec.resolve())]
     strategy = settings.strategy
     trainer = _StepTrainer(settings.accumulate_grad_batches, strategy.world_size)
     device = stand_in_device()
     check_strategy(strategy, model_config)
 
-    def prepare(model: torch.nn.Module) -> torch.nn.Module:
-        if module.lora is not None:
-            model = apply_lora(model, module.lora)
-        return model.to(dtype=convert_dtype) if convert_dtype is not None else model
-
     rank = None
     mesh, flat_mesh = device_mesh(strategy) if strategy.sharded else (None, None)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        module.model = fake_causal_lm(model_config, build_dtype, prepare)
+        module.model = fake_causal_lm(model_config, model.build_dtype, model.prepare, model.model_class)
         if flat_mesh is not None:
             shard_model(module.model, flat_mesh, strategy)
         module.trainer = trainer
@@ -143,15 +299,18 @@ def simulate_fit_step(settings: PlanSettings, max_length: int | None = None) -> 
             with norm_probes_on_real_tensors():
                 for callback in callbacks:
                     callback.on_fit_start(trainer, module)
+            refusal = applied_layers_differ(module.model) if layers is not None else None
+            if refusal is not None:
+                raise _SimulateWhole(refusal)
             optimizer = _steady_state_optimizer(module)
             batch = _batch(settings, max_length, getattr(module, "reference_mode", None))
             rank = set_up_rank(module.model, mesh, strategy, batch)
             # The document probe, too, reads values.
             module.setup_probes.assume_passed(document_attention=module.model.config._attn_implementation)
             notes += rank.notes
-            buckets = _ddp_buckets(module, settings, notes)
+            buckets = _ddp_buckets(module, settings)
             with tiles_simulated_once(), flash_sdpa():
-                memory = measure_peak(
+                memory, segments = measure_segments(
                     lambda: _lightning_step(module, optimizer, rank.batch, callbacks, settings),
                     module,
                     optimizer,
@@ -165,24 +324,28 @@ def simulate_fit_step(settings: PlanSettings, max_length: int | None = None) -> 
             for callback in callbacks:
                 callback.teardown(trainer, module, "fit")
             module.trainer = None
+    bucket_bytes = sum(bucket.nbytes for bucket in buckets)
+    notes = [*_ddp_notes(settings, bucket_bytes), *notes]
     notes += _attention_notes(settings, max_length, model_config.num_attention_heads)
-    if settings.preference:
+    if settings.module_class == DPO_MODULE:
         notes.append(_reference_note(module.reference_mode))
     parameters = sum(param.numel() for param in module.model.parameters())
     trainable = sum(param.numel() for param in module.model.parameters() if param.requires_grad)
-    return StepSimulation(
+    step = StepSimulation(
         memory=memory,
         max_length=max_length,
         parameters=parameters,
         trainable_parameters=trainable,
         layers=len(find_decoder_layers(module.model)),
+        vocab_size=model_config.vocab_size,
         notes=tuple(notes),
     )
+    return _Simulated(step, segments, bucket_bytes)
 
 
 def _resolve_module_class(class_path: str) -> type:
-    """:class:`~lit_memtrain.objectives.causal_lm.CausalLMModule` or :class:`~lit_memtrain.objectives.dpo.DPOModule` (the settings checked
-    that the path names one of them)."""
+    """:class:`~lit_memtrain.objectives.causal_lm.CausalLMModule`, :class:`~lit_memtrain.objectives.dpo.DPOModule` or
+    :class:`~lit_memtrain.objectives.reward.RewardModule` (the settings checked that the path names one of them)."""
     import importlib
 
     module_name, _, name = class_path.rpartition(".")
@@ -205,7 +368,7 @@ def _reference_note(reference_mode: str) -> str:
 def _module_arguments(arguments: dict[str, Any], module_class: type) -> dict[str, Any]:
     """The module's own arguments, with what would load files or need a GPU taken out.
 
-    The tokenizer is only needed for a preset's vocabulary (read in :func:`_model_config`); the attention
+    The tokenizer is only needed to check that it fits the model's vocabulary (in :func:`_model_config`); the attention
     implementation is replaced by the simulated kernel, so flash-attn need not be installed to plan for it.
     """
     accepted = init_parameters(module_class)
@@ -233,21 +396,30 @@ def _model_config(recipe: ModelRecipe, settings: PlanSettings, notes: list[str])
                 f"plan a preset instead (--model.model=null --model.preset=..., see lit_memtrain.PRESETS). ({error})"
             ) from error
     tokenizer = None
-    overrides = recipe.config_overrides or {}
-    if settings.tokenizer and "vocab_size" not in overrides:
+    if settings.tokenizer:
         try:
             tokenizer = _local_tokenizer(settings.tokenizer)
-        except Exception as error:  # noqa: BLE001 - any failure to load leaves the preset's vocabulary
+        except Exception as error:  # noqa: BLE001 - any failure to load leaves the fit unchecked, and said so
             vocabulary = causal_lm_config(recipe).vocab_size
             notes.append(
-                f"Tokenizer {settings.tokenizer!r} could not be loaded here ({type(error).__name__}); the vocabulary "
-                f"size is the model config's ({vocabulary}). Set model.config_overrides.vocab_size to plan another."
+                f"Tokenizer {settings.tokenizer!r} could not be loaded here ({type(error).__name__}): the vocabulary "
+                f"is the model config's ({vocabulary:,}), and whether the tokenizer fits inside it is not checked."
             )
     return causal_lm_config(recipe, tokenizer)
 
 
+def _task_config(config: Any, recipe: ModelRecipe) -> Any:
+    """The config of the model the module trains: a reward model's has one label, and a pad token id to read its
+    rewards past (0 when neither the config nor a tokenizer gave one: which token is read costs no memory)."""
+    config = config_for_task(config, recipe)
+    if recipe.task == "reward" and config.get_text_config().pad_token_id is None:
+        config.get_text_config().pad_token_id = 0
+    return config
+
+
 def _local_tokenizer(name: str):
-    """The tokenizer whose length sets a preset's vocabulary, from local files only (never the network)."""
+    """The tokenizer that must fit the model's vocabulary (and that fills a config dict's), from local files only
+    (never the network)."""
     from pathlib import Path
 
     from lit_memtrain.datamodules.embedded import EMBEDDED
@@ -316,21 +488,28 @@ def _batch(settings: PlanSettings, max_length: int, reference_mode: str | None =
 
 
 
-def _ddp_buckets(module: Any, settings: PlanSettings, notes: list[str]) -> list[Tensor]:
+def _ddp_buckets(module: Any, settings: PlanSettings) -> list[Tensor]:
     if settings.strategy.kind != "ddp":
         return []
     by_dtype: dict[torch.dtype, int] = {}
     for param in module.model.parameters():
         if param.requires_grad:
             by_dtype[param.dtype] = by_dtype.get(param.dtype, 0) + param.numel()
-    buckets = [torch.empty(count, dtype=dtype, device=param.device) for dtype, count in by_dtype.items()]
-    size = sum(bucket.nbytes for bucket in buckets)
-    notes.append(
-        f"DDP ({settings.strategy.world_size} ranks): each rank holds the whole model and DDP's gradient buckets, "
-        f"{size / 2**30:.2f} GiB, counted as gradients (gradient_as_bucket_view=True in the DDP strategy would "
-        "share them with the gradients)."
-    )
-    return buckets
+    return [torch.empty(count, dtype=dtype, device=param.device) for dtype, count in by_dtype.items()]
+
+
+_DDP_NOTE = "DDP ("
+
+
+def _ddp_notes(settings: PlanSettings, size: int) -> list[str]:
+    """What the plan says of DDP's gradient buckets (``size`` bytes), under DDP."""
+    if settings.strategy.kind != "ddp":
+        return []
+    return [
+        f"{_DDP_NOTE}{settings.strategy.world_size} ranks): each rank holds the whole model and DDP's gradient "
+        f"buckets, {size / 2**30:.2f} GiB, counted as gradients (gradient_as_bucket_view=True in the DDP strategy "
+        "would share them with the gradients)."
+    ]
 
 
 def _lightning_step(

@@ -25,7 +25,7 @@ from lightning.pytorch import Callback
 
 import lit_memtrain.callbacks
 from lit_memtrain.callbacks.technique_description import PlannedTechnique, TechniqueDescription
-from lit_memtrain.planner.settings import CallbackSpec, PlanSettings, import_class, init_defaults
+from lit_memtrain.planner.settings import REWARD_MODULE, CallbackSpec, PlanSettings, import_class, init_defaults
 
 __all__ = ["Techniques", "comparison_rows", "is_technique", "suggestions", "techniques_of", "with_techniques"]
 
@@ -118,7 +118,7 @@ def _configured(settings: PlanSettings, kind: type) -> CallbackSpec:
 def techniques_of(settings: PlanSettings) -> Techniques:
     """The techniques ``settings`` turn on."""
     techniques = Techniques(
-        chunked_loss=_loss_type(settings) == "chunked",
+        chunked_loss=_has_lm_head(settings) and _loss_type(settings) == "chunked",
         cpu_offload=settings.strategy.cpu_offload,
         context_parallel_size=settings.strategy.context_parallel_size,
     )
@@ -127,6 +127,12 @@ def techniques_of(settings: PlanSettings) -> Techniques:
         if any(issubclass(cls, kind) for cls in configured):
             techniques = techniques.with_callback(_configured(settings, kind))
     return techniques
+
+
+def _has_lm_head(settings: PlanSettings) -> bool:
+    """Whether the planned model has an LM head, whose loss the chunked loss computes (a reward model has a score
+    head instead, applied at each sequence's last token only)."""
+    return settings.module_class != REWARD_MODULE
 
 
 def _loss_type(settings: PlanSettings) -> str:
@@ -211,7 +217,8 @@ def _own_rows(settings: PlanSettings) -> list[_Row]:
     cp = strategy.context_parallel_size
     rows = [
         _Row(0, "plain", lambda techniques: techniques),
-        _Row(_CHUNKED_LOSS, "+ chunked loss", lambda techniques: dataclasses.replace(techniques, chunked_loss=True)),
+        _Row(_CHUNKED_LOSS, "+ chunked loss", lambda techniques: dataclasses.replace(techniques, chunked_loss=True))
+        if _has_lm_head(settings) else _Row(_CHUNKED_LOSS, "+ chunked loss", None, "a reward model has no LM head"),
     ]
     if strategy.sharded:
         rows.append(_Row(_CPU_OFFLOAD, "+ CPU-offloaded state",
@@ -225,7 +232,7 @@ def _own_rows(settings: PlanSettings) -> list[_Row]:
                          f"{cp} ranks per sequence, {strategy.context_parallel_method}", strategy=True))
     elif settings.preference:
         rows.append(_Row(_CONTEXT_PARALLEL, "+ context parallel", None,
-                         "DPOModule does not support context parallelism"))
+                         f"{settings.module_class.rsplit('.', 1)[-1]} does not support context parallelism"))
     else:
         rows.append(_Row(_CONTEXT_PARALLEL, "+ context parallel", None,
                          "needs lit_memtrain.strategies.ContextParallelStrategy or --context-parallel-size"))
@@ -236,7 +243,7 @@ def suggestions(settings: PlanSettings) -> list[tuple[str, Callable[[Techniques]
     """What a plan that does not fit tries, in this order, each on top of the previous ones: (how to add it, the
     change). The technique callbacks' suggestions, the chunked loss, and CPU-offloaded state for a sharded strategy."""
     found = [(_SUGGESTED_CHUNKED_LOSS, "the chunked loss (model.loss_type: chunked)",
-              lambda techniques: dataclasses.replace(techniques, chunked_loss=True))]  # fmt: skip
+              lambda techniques: dataclasses.replace(techniques, chunked_loss=True))] if _has_lm_head(settings) else []
     if settings.strategy.sharded:
         found.append((_SUGGESTED_CPU_OFFLOAD, "CPU-offloaded state (FSDP2Strategy with init_args cpu_offload: true)",
                       lambda techniques: dataclasses.replace(techniques, cpu_offload=True)))  # fmt: skip

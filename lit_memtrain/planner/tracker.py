@@ -22,6 +22,11 @@ optimizer step; a parameter's gradient is re-labelled ``gradients`` once autogra
 what existed before (parameters, buffers, optimizer state, inputs) is registered with :meth:`track_external`.
 Exact sizes, no allocator rounding: this is ``torch.cuda.memory_allocated``'s view, not the reserved memory.
 
+The step as a sequence of segments (:attr:`MemoryTracker.segments`): a new segment starts whenever the phase
+changes (forward or backward, which part of the model, the optimizer step), and each keeps, per device, the most
+bytes alive during it and their breakdown. The peak is the largest of them; the planner reads the rest to
+extrapolate a model simulated with a few of its decoder layers to all of them (:mod:`lit_memtrain.planner.layers`).
+
 Fake tensors have no values: a data-dependent selection (``nonzero``) selects every element here, the worst
 case (every target trainable).
 """
@@ -30,15 +35,44 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
-__all__ = ["KINDS", "MemoryTracker"]
+__all__ = ["KINDS", "MemoryTracker", "Segment"]
 
 KINDS = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "temporaries", "other")
+
+
+@dataclass
+class Segment:
+    """A stretch of the step in one phase, with the most bytes alive on each device during it.
+
+    Attributes:
+        backward: autograd was running (a backward, including a checkpointed layer's recomputation).
+        optimizer: an optimizer step was running.
+        where: the part of the model that ran (:attr:`MemoryTracker.where`; empty during an optimizer step).
+        peak: per device, the most bytes alive at an allocation on it during the segment (devices without one
+            are absent).
+        breakdown: per device, the bytes alive by kind at that moment.
+    """
+
+    backward: bool
+    optimizer: bool
+    where: str
+    peak: dict[torch.device, int] = field(default_factory=dict)
+    breakdown: dict[torch.device, dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def phase(self) -> str:
+        """As :meth:`MemoryTracker.phase` names it."""
+        if self.optimizer:
+            return "optimizer step"
+        stage = "backward" if self.backward else "forward"
+        return f"{stage}, {self.where}" if self.where else stage
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -64,6 +98,7 @@ class MemoryTracker(TorchDispatchMode):
         self.peak: dict[torch.device, int] = {}
         self.peak_breakdown: dict[torch.device, dict[str, int]] = {}
         self.peak_phase: dict[torch.device, str] = {}
+        self.segments: list[Segment] = []
         self._storages: dict[int, tuple[weakref.ref, torch.device, list[Any]]] = {}
         self._handles: list[Any] = []
 
@@ -202,10 +237,26 @@ class MemoryTracker(TorchDispatchMode):
     def _update_peak(self, device: torch.device) -> None:
         kinds = self.live[device]
         total = sum(kinds.values())
-        if total > self.peak.get(device, -1):
-            self.peak[device] = total
-            self.peak_breakdown[device] = dict(kinds)
-            self.peak_phase[device] = self.phase()
+        segment = self._segment()
+        if total > segment.peak.get(device, -1):
+            segment.peak[device] = total
+            segment.breakdown[device] = dict(kinds)
+            if total > self.peak.get(device, -1):
+                self.peak[device] = total
+                self.peak_breakdown[device] = segment.breakdown[device]
+                self.peak_phase[device] = segment.phase
+
+    def _segment(self) -> Segment:
+        """The current segment, a new one if the phase changed since the last allocation."""
+        optimizer = self.in_optimizer_step
+        backward = not optimizer and torch._C._current_graph_task_id() != -1
+        where = "" if optimizer else self.where
+        if self.segments:
+            last = self.segments[-1]
+            if last.where == where and last.backward == backward and last.optimizer == optimizer:
+                return last
+        self.segments.append(Segment(backward, optimizer, where))
+        return self.segments[-1]
 
     def _freed(self, key: int, device: torch.device, record: list[Any]):
         def on_free(_: weakref.ref) -> None:

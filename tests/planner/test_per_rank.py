@@ -4,15 +4,13 @@ or --context-parallel-size), against hand-computed sizes.
 A tiny Qwen3 (hidden 64, 4 query and 2 key/value heads of 16, vocabulary 512, tied embeddings), fp32, one row of
 L = 8192 tokens, checkpointing, on 2 ranks: data parallel 2 (each rank its own row) or context parallel 2 (one
 row split over both). The model is sharded over both ranks either way: each holds half of every parameter, its
-gradient and AdamW state. Simulations run in one child process (the stand-in device must be registered before
-the process's first backward).
+gradient and AdamW state. Simulations run in one child process of ``preloaded_python`` (the stand-in device must be
+registered before the process's first backward).
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -53,9 +51,17 @@ print(json.dumps({name: report(value) for name, value in {
 """
 
 
+SIMULATIONS = ("-c", _SIMULATIONS)
+
+
+def start_early(python) -> None:
+    """Queued when collection ends (tests/conftest.py)."""
+    python.start(*SIMULATIONS)
+
+
 @pytest.fixture(scope="module")
-def simulated() -> dict:
-    result = subprocess.run([sys.executable, "-c", _SIMULATIONS], capture_output=True, text=True, timeout=600)
+def simulated(preloaded_python) -> dict:
+    result = preloaded_python.run(*SIMULATIONS)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -132,11 +138,11 @@ TINY = [
 ]  # fmt: skip
 
 
-def test_cli_plans_one_rank_of_a_context_parallel_fsdp2_run():
-    command = [sys.executable, "-m", "lit_memtrain.cli", "plan", *TINY, "--trainer.devices=4",
-               "--trainer.strategy.cpu_offload=true", "--context-parallel-size=2", "--data.max_length=4096",
-               "--json"]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+def test_cli_plans_one_rank_of_a_context_parallel_fsdp2_run(preloaded_python):
+    result = preloaded_python.run(
+        "-m", "lit_memtrain.cli", "plan", *TINY, "--trainer.devices=4", "--trainer.strategy.cpu_offload=true",
+        "--context-parallel-size=2", "--data.max_length=4096", "--json", timeout=300,
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     plan = json.loads(result.stdout)
     assert plan["strategy"] == {
@@ -192,10 +198,9 @@ print(json.dumps(results))
 """
 
 
-def test_bad_context_parallel_sizes_are_refused_clearly():
+def test_bad_context_parallel_sizes_are_refused_clearly(preloaded_python):
     arguments = json.dumps([args for args, _ in BAD_INPUT])
-    command = [sys.executable, "-c", _BAD_INPUT, arguments, json.dumps(TINY)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    result = preloaded_python.run("-c", _BAD_INPUT, arguments, json.dumps(TINY), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     for (args, message), (status, stderr) in zip(BAD_INPUT, json.loads(result.stdout.strip().splitlines()[-1])):
         assert status == 2, (args, stderr)

@@ -2,13 +2,15 @@
 
 Sizes are checked against hand computation: a tiny Qwen3 (hidden 64, vocabulary 512, tied embeddings) with
 P parameters in 24 tensors, fp32, one row of L = 8192 tokens, two accumulated micro-batches (so the
-previous micro-batch's gradients are alive through the whole step). Simulations run in child processes:
-the stand-in device must be registered before a process's first backward.
+previous micro-batch's gradients are alive through the whole step). Simulations and `lit-memtrain plan` run in
+child processes of ``preloaded_python`` (tests/conftest.py): the stand-in device must be registered before a
+process's first backward. The two longest start early, in the background.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -84,9 +86,25 @@ print(json.dumps(results))
 """
 
 
+SIMULATIONS = ("-c", _SIMULATIONS)
+
+
+def _compare_and_plot(directory: Path) -> tuple[str, ...]:
+    return (
+        "-m", "lit_memtrain.cli", "plan", *TINY, "--data.max_length=4096", "--gpu-memory=0.05", "--find-max-length",
+        "--compare", "--plot", str(directory / "lengths.png"), "--json",
+    )  # fmt: skip
+
+
+def start_early(python) -> None:
+    """Queued when collection ends (tests/conftest.py): the simulations, and the CLI with every option."""
+    python.start(*SIMULATIONS)
+    python.start(*_compare_and_plot(python.directory))
+
+
 @pytest.fixture(scope="module")
-def simulated() -> dict:
-    result = subprocess.run([sys.executable, "-c", _SIMULATIONS], capture_output=True, text=True, timeout=600)
+def simulated(preloaded_python) -> dict:
+    result = preloaded_python.run(*SIMULATIONS)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -153,15 +171,9 @@ def test_autocast_runs_matmuls_in_bf16_and_caches_one_weight_copy_per_region(sim
     assert autocast["inside"] - autocast["after"] == 1024 * 1024 * 2  # the cached copy, freed on exit
 
 
-def _plan(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "lit_memtrain.cli", "plan", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-
-
-def test_cli_json_compare_and_plot(tmp_path: Path):
-    plot = tmp_path / "lengths.png"
-    result = _plan(*TINY, "--data.max_length=4096", "--gpu-memory=0.05", "--find-max-length", "--compare",
-                   "--plot", str(plot), "--json")  # fmt: skip
+def test_cli_json_compare_and_plot(preloaded_python):
+    plot = preloaded_python.directory / "lengths.png"
+    result = preloaded_python.run(*_compare_and_plot(preloaded_python.directory))
     assert result.returncode == 0, result.stderr[-3000:]
     plan = json.loads(result.stdout)
     assert plan["sequence_length"] == 4096 and plan["precision"] == "32-true"
@@ -177,18 +189,45 @@ def test_cli_json_compare_and_plot(tmp_path: Path):
     assert not rows["+ CPU-offloaded state"]["simulated"] and "FSDP2" in rows["+ CPU-offloaded state"]["note"]
     assert not rows["+ context parallel"]["simulated"]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 20_000
+    _check_progress(result.stderr, plan, rows)
 
 
-def test_cli_plans_a_local_config_directory_and_says_what_to_add(tmp_path: Path):
+_PROGRESS = re.compile(r"\[(.+?)\] (.+) at ([\d,]+) tokens per row: ([\d,.]+) GiB, (fits|does not fit) \([\d.]+ s CPU\)")
+
+
+def _check_progress(stderr: str, plan: dict, rows: dict) -> None:
+    """One line per simulation, as it ends: what it was for, the techniques and length, the peak, the verdict; the
+    longest lengths found (within 1%) are among them, as the lengths that confirm them."""
+    found = [_PROGRESS.fullmatch(line) for line in stderr.splitlines() if line.startswith("[")]
+    assert found and all(found), stderr[-3000:]
+    simulations = [(match[1], match[2], int(match[3].replace(",", "")), match[5]) for match in found]
+    assert simulations[0][0] == "plan" and simulations[0][2] == 4096
+    assert len({(techniques, length) for _, techniques, length, _ in simulations}) == len(simulations)  # once each
+    verdicts = {(techniques, length): verdict for _, techniques, length, verdict in simulations}
+    for purpose, expected in [("longest length", plan), *((f"compare {name}", row) for name, row in rows.items())]:
+        tried = {(techniques, length) for what, techniques, length, _ in simulations if what == purpose}
+        if "max_length" not in expected or not tried:
+            continue  # a row not simulated, or whose lengths were all simulated for an earlier purpose
+        ((techniques, _), *_) = tried
+        assert {what for what, _ in tried} == {techniques}, purpose  # one row, one set of techniques
+        longest, too_long = expected["max_length"], expected["too_long"]
+        assert too_long - longest <= max(1024, 0.01 * longest), (purpose, longest, too_long)
+        assert verdicts[techniques, longest] == "fits" and verdicts[techniques, too_long] == "does not fit", purpose
+        assert len(tried) <= 6, (purpose, tried)
+
+
+def test_cli_plans_a_local_config_directory_and_says_what_to_add(preloaded_python, tmp_path: Path):
     """A model given as a directory with only a config.json (no weights) plans like the preset it was made from."""
     from lit_memtrain.models.presets import build_config
 
     overrides = {"vocab_size": 512, "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
     build_config("tiny-qwen3", overrides).save_pretrained(tmp_path)
-    result = _plan("--config", "configs/quickstart.yaml", "--model.preset=null", f"--model.model={tmp_path}",
-                   "--data.batch_size=1", "--data.max_length=8192", "--model.loss_type=nll", "--trainer.callbacks=[]",
-                   "--gpu-memory=0.07", "--trainer.strategy=fsdp")  # fmt: skip
+    result = preloaded_python.run(
+        "-m", "lit_memtrain.cli", "plan", "--config", "configs/quickstart.yaml", "--model.preset=null",
+        f"--model.model={tmp_path}", "--data.batch_size=1", "--data.max_length=8192", "--model.loss_type=nll",
+        "--trainer.callbacks=[]", "--gpu-memory=0.07", "--trainer.strategy=fsdp",
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     text = result.stdout
     assert f"Model: {tmp_path}, 0.11M parameters" in text
@@ -197,7 +236,8 @@ def test_cli_plans_a_local_config_directory_and_says_what_to_add(tmp_path: Path)
 
 
 def test_planning_a_fit_config_needs_neither_jsonargparse_nor_datasets():
-    """What MemoryPlanCheck runs (--fit-config) on a GPU machine, which may lack jsonargparse, datasets and wandb."""
+    """What MemoryPlanCheck runs (--fit-config) on a GPU machine, which may lack jsonargparse, datasets and wandb.
+    In a fresh ``python``: the preloaded one has imported them."""
     code = (
         "import sys, lit_memtrain.planner.command, lit_memtrain.planner.plan, lit_memtrain.planner.step, "
         "lit_memtrain.planner.report, lit_memtrain.planner.plot;"
@@ -215,7 +255,7 @@ def test_planning_a_fit_config_needs_neither_jsonargparse_nor_datasets():
 BAD_INPUT = [
     (["--model.preset=null"], "The configuration has no model: set model.model"),
     (["--data.max_length=0"], "data.max_length must be at least 1 token, got 0."),
-    (["--data.max_lenght=5"], "unrecognized arguments: --data.max_lenght=5"),
+    (["--data.max_lenght=5"], "unknown option --data.max_lenght (did you mean '--data.max_length'?)"),
     (["--model.preset=null", "--model.model=/nonexistent/model"],
      "Cannot read the config of model='/nonexistent/model'"),
     (["--trainer.precision=transformer-engine"], "The planner cannot simulate trainer.precision='transformer-engine'"),
@@ -235,17 +275,17 @@ print(json.dumps(results))
 """
 
 
-def test_cli_refuses_an_unknown_preset_clearly():
-    result = _plan("--config", "configs/quickstart.yaml", "--model.preset=qwen9", timeout=300)
+def test_cli_refuses_an_unknown_preset_clearly(preloaded_python):
+    result = preloaded_python.run("-m", "lit_memtrain.cli", "plan", "--config", "configs/quickstart.yaml",
+                                       "--model.preset=qwen9", timeout=300)  # fmt: skip
     assert result.returncode == 2
     assert "lit-memtrain plan: error: Unknown model preset 'qwen9'. Known presets:" in result.stderr
     assert "Traceback" not in result.stderr
 
 
-def test_bad_input_is_refused_clearly():
+def test_bad_input_is_refused_clearly(preloaded_python):
     """What `lit-memtrain plan` runs (its main), for several bad inputs in one child process."""
-    arguments = json.dumps([args for args, _ in BAD_INPUT])
-    result = subprocess.run([sys.executable, "-c", _BAD_INPUT, arguments], capture_output=True, text=True, timeout=300)
+    result = preloaded_python.run("-c", _BAD_INPUT, json.dumps([args for args, _ in BAD_INPUT]), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     for (args, message), (status, stderr) in zip(BAD_INPUT, json.loads(result.stdout.strip().splitlines()[-1])):
         assert status == 2, args

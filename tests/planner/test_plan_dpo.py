@@ -4,15 +4,13 @@ A tiny Qwen3 (hidden 64, vocabulary 512, tied embeddings, 2 layers) with P param
 pairs of sequences of L = 2048 tokens (so 2B sequences per step), two accumulated micro-batches. Besides sizes
 computed by hand, each plan is checked against the simulator's measurement of the real step: the same
 simulation with the batch the real PreferenceCollator makes and DPOModule.training_step in place of the plan's
-batch and loss. Everything runs in one child process: the stand-in device must be registered before a process's
-first backward.
+batch and loss. Everything runs in one child process (of ``preloaded_python``): the stand-in device must be
+registered before a process's first backward.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -33,6 +31,7 @@ import lit_memtrain.planner.step as step
 from lit_memtrain.cli import main
 from lit_memtrain.datamodules.preference_collate import PreferenceCollator
 from lit_memtrain.objectives.dpo import DPOModule
+from lit_memtrain.objectives.step_tokens import STEP_WINDOW, StepWindow
 from lit_memtrain.cli.plan import read_fit_config
 from lit_memtrain.planner.plan import breakdown
 
@@ -62,6 +61,8 @@ def collated_batch(settings, max_length, reference_mode):
         del batch["ref_chosen_logps"], batch["ref_rejected_logps"]
     for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):  # flash-attn's, read on the host
         batch.pop(name, None)
+    accumulation = settings.accumulate_grad_batches  # a whole step, as the fit's training dataloader tags it
+    batch[STEP_WINDOW] = StepWindow(accumulation, accumulation)
     return {k: torch.empty(v.shape, dtype=v.dtype, device=device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
@@ -118,11 +119,17 @@ REFUSED = [
 ]  # fmt: skip
 
 
+SIMULATIONS = ("-c", _SIMULATIONS, TINY, json.dumps([args for args, _ in REFUSED]))
+
+
+def start_early(python) -> None:
+    """Queued when collection ends (tests/conftest.py)."""
+    python.start(*SIMULATIONS)
+
+
 @pytest.fixture(scope="module")
-def simulated() -> dict:
-    arguments = json.dumps([args for args, _ in REFUSED])
-    command = [sys.executable, "-c", _SIMULATIONS, TINY, arguments]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+def simulated(preloaded_python) -> dict:
+    result = preloaded_python.run(*SIMULATIONS)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 

@@ -2,13 +2,11 @@
 bf16 compute): sharding over N ranks divides the fixed memory by N exactly, cpu_offload moves it to the
 host, and what the device holds then is the gathered root (embedding, tied head, final norm, in bf16).
 
-As for the other simulations, one child process computes what the tests check."""
+As for the other simulations, one child process (of ``preloaded_python``) computes what the tests check."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -27,9 +25,17 @@ print(json.dumps({name: simulate_sharded_step(config, 4096, **kwargs).__dict__ f
 """
 
 
+SIMULATIONS = ("-c", _SIMULATIONS)
+
+
+def start_early(python) -> None:
+    """Queued when collection ends (tests/conftest.py)."""
+    python.start(*SIMULATIONS)
+
+
 @pytest.fixture(scope="module")
-def simulated() -> dict:
-    result = subprocess.run([sys.executable, "-c", _SIMULATIONS], capture_output=True, text=True, timeout=300)
+def simulated(preloaded_python) -> dict:
+    result = preloaded_python.run(*SIMULATIONS, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 

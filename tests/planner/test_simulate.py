@@ -1,15 +1,13 @@
 """Simulated memory at Qwen3-4B width (hidden 2560, MLP 9728, vocabulary 151,936) and 64k tokens.
 
-The simulations run in a child process: registering the stand-in device makes torch report an accelerator
-for the rest of the process, and must happen before the process's first backward. One child computes
-everything the tests below check.
+The simulations run in a child process (of ``preloaded_python``, tests/conftest.py): registering the stand-in
+device makes torch report an accelerator for the rest of the process, and must happen before the process's first
+backward. One child computes everything the tests below check.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -66,9 +64,17 @@ print(json.dumps({k: v.__dict__ if hasattr(v, "__dict__") else v for k, v in res
 """
 
 
+SIMULATIONS = ("-c", _SIMULATIONS)
+
+
+def start_early(python) -> None:
+    """Queued when collection ends (tests/conftest.py)."""
+    python.start(*SIMULATIONS)
+
+
 @pytest.fixture(scope="module")
-def simulated() -> dict:
-    result = subprocess.run([sys.executable, "-c", _SIMULATIONS], capture_output=True, text=True, timeout=300)
+def simulated(preloaded_python) -> dict:
+    result = preloaded_python.run(*SIMULATIONS, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -159,8 +165,8 @@ stand_in_device()
 """
 
 
-def test_simulating_after_autograd_ran_is_a_clear_error():
-    result = subprocess.run([sys.executable, "-c", _AFTER_BACKWARD], capture_output=True, text=True, timeout=120)
+def test_simulating_after_autograd_ran_is_a_clear_error(preloaded_python):
+    result = preloaded_python.run("-c", _AFTER_BACKWARD, timeout=120)
     assert result.returncode != 0
     assert "autograd ran here before the simulation's stand-in device was registered" in result.stderr
 

@@ -20,10 +20,9 @@ def test_chunked_rms_norm_is_a_technique_of_its_own():
     assert spec.init_args == {"chunk_elements": 4096}  # the user's options are kept
 
 
-def test_a_plan_that_does_not_fit_suggests_the_chunked_norm_among_the_techniques():
+def test_a_plan_that_does_not_fit_suggests_the_chunked_norm_among_the_techniques(preloaded_python):
+    """In a child process: the simulation's stand-in device must be registered before the first backward."""
     import json
-    import subprocess
-    import sys
 
     script = """
 import json
@@ -35,7 +34,8 @@ settings = PlanSettings(module={"preset": "tiny-qwen3", "config_overrides": {"vo
                         max_length=1024)
 print(json.dumps(Planner(settings, Budget(2**10, margin=0.0), progress=lambda line: None).suggestion()))
 """
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    result = preloaded_python.run("-c", script)
+    assert result.returncode == 0, result.stderr[-3000:]
     suggestion = json.loads(result.stdout)
     assert not suggestion["fits"]
     assert "chunked RMSNorm (callback lit_memtrain.callbacks.ChunkedRMSNorm)" in suggestion["add"]
