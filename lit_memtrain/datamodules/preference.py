@@ -38,9 +38,9 @@ from lit_memtrain.datamodules.preference_tokenize import (
     detect_preference_format,
     tokenize_preference,
 )
-from lit_memtrain.datamodules.sources import RawData, RowLocator
+from lit_memtrain.datamodules.sources import RawData
 from lit_memtrain.datamodules.splits import check_validation_args, load_splits
-from lit_memtrain.datamodules.tokenize import TokenCounts, chat_template_errors
+from lit_memtrain.datamodules.tokenize import TokenCounts, tokenize_located
 from lit_memtrain.datamodules.tokenized_splits import TokenizedSplitsDataModule
 from lit_memtrain.datamodules.tokenizer import load_tokenizer
 
@@ -53,13 +53,6 @@ _TOKENIZED_COLUMNS = ["prompt_ids", "chosen_ids", "rejected_ids"]
 _KEPT_COLUMNS = (*REFERENCE_COLUMNS, MARGIN_COLUMN)  # carried from the dataset to the batches as they are
 LongPairs = Literal["truncate", "drop"]
 
-
-def tokenize_pair(example: dict[str, Any], index: int, locator: RowLocator, **kwargs: Any) -> dict[str, Any]:
-    """:func:`tokenize_preference`, with the file and line of the pair in any error."""
-    try:
-        return tokenize_preference(example, **kwargs)
-    except (ValueError, TypeError, KeyError, *chat_template_errors()) as error:
-        raise ValueError(f"{locator(index)}: {error}") from error
 
 
 class PreferenceDataModule(TokenizedSplitsDataModule):
@@ -236,10 +229,11 @@ class PreferenceDataModule(TokenizedSplitsDataModule):
             )
         kept_columns = [c for c in _KEPT_COLUMNS if c in columns]
         tokenized = data.map(
-            tokenize_pair,
+            tokenize_located,
             with_indices=True,
             fn_kwargs={
                 "locator": raw.locator(split),
+                "tokenize": tokenize_preference,
                 "tokenizer": self.tokenizer,
                 "max_length": max_length,
                 "max_prompt_length": self.max_prompt_length,

@@ -19,9 +19,9 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lit_memtrain.datamodules.embedded import EMBEDDED, embedded_prompt_path
 from lit_memtrain.datamodules.prompt_tokenize import PromptTruncation, detect_prompt_format, tokenize_prompt
-from lit_memtrain.datamodules.sources import RawData, RowLocator
+from lit_memtrain.datamodules.sources import RawData
 from lit_memtrain.datamodules.splits import check_validation_args, load_splits
-from lit_memtrain.datamodules.tokenize import chat_template_errors
+from lit_memtrain.datamodules.tokenize import tokenize_located
 from lit_memtrain.datamodules.tokenized_splits import TokenizedSplitsDataModule
 from lit_memtrain.datamodules.tokenizer import load_tokenizer
 
@@ -74,13 +74,6 @@ class PromptCollator:
             "columns": {name: [row[name] for row in rows] for name in self.columns},
         }
 
-
-def _tokenize_row(example: dict[str, Any], index: int, locator: RowLocator, **kwargs: Any) -> dict[str, Any]:
-    """:func:`tokenize_prompt`, with the file and line of the row in any error."""
-    try:
-        return tokenize_prompt(example, **kwargs)
-    except (ValueError, TypeError, KeyError, *chat_template_errors()) as error:
-        raise ValueError(f"{locator(index)}: {error}") from error
 
 
 class PromptDataModule(TokenizedSplitsDataModule):
@@ -169,10 +162,11 @@ class PromptDataModule(TokenizedSplitsDataModule):
         except ValueError as error:
             raise ValueError(f"The {split} split{raw.describe(split)}: {error}") from None
         tokenized = data.map(
-            _tokenize_row,
+            tokenize_located,
             with_indices=True,
             fn_kwargs={
                 "locator": raw.locator(split),
+                "tokenize": tokenize_prompt,
                 "tokenizer": self.tokenizer,
                 "max_prompt_length": self.max_prompt_length,
                 "prompt_truncation": self.prompt_truncation,

@@ -35,9 +35,9 @@ from lit_memtrain.datamodules.splits import check_validation_args, hold_out, loa
 from lit_memtrain.datamodules.tokenize import (
     DatasetFormat,
     TokenCounts,
-    chat_template_errors,
     detect_format,
     tokenize_example,
+    tokenize_located,
 )
 from lit_memtrain.datamodules.tokenizer import load_tokenizer
 
@@ -48,13 +48,6 @@ if TYPE_CHECKING:  # pyarrow and datasets are imported where data is read: the m
 
 __all__ = ["SFTDataModule", "load_raw_dataset"]
 
-
-def tokenize_row(example: dict[str, Any], index: int, locator: RowLocator, **kwargs: Any) -> dict[str, Any]:
-    """:func:`tokenize_example`, with the file and line of the row in any error."""
-    try:
-        return tokenize_example(example, **kwargs)
-    except (ValueError, TypeError, KeyError, *chat_template_errors()) as error:
-        raise ValueError(f"{locator(index)}: {error}") from error
 
 
 @dataclass
@@ -76,10 +69,11 @@ class WindowTokenizer:
         columns = list(rows)
         input_ids, labels, counts = [], [], TokenCounts()
         for offset in range(len(rows[columns[0]]) if columns else 0):
-            out = tokenize_row(
+            out = tokenize_located(
                 {name: rows[name][offset] for name in columns},
                 first_index + offset,
                 self.locator,
+                tokenize_example,
                 tokenizer=self.tokenizer,
                 dataset_format=self.dataset_format,
                 max_length=self.max_length,
@@ -273,9 +267,12 @@ class SFTDataModule(ResumableDataModule):
         columns = list(data.column_names)
         dataset_format = self._format_of(columns, raw, split, data[0] if len(data) else None)
         tokenized = data.map(
-            tokenize_row,
+            tokenize_located,
             with_indices=True,
-            fn_kwargs={"locator": raw.locator(split), **self._tokenize_kwargs(dataset_format, max_length)},
+            fn_kwargs={
+                "locator": raw.locator(split), "tokenize": tokenize_example,
+                **self._tokenize_kwargs(dataset_format, max_length),
+            },
             remove_columns=columns,
             num_proc=self.num_proc,
             desc=f"Tokenizing {name} ({dataset_format})",

@@ -23,6 +23,7 @@ with the BOS token's text (a conversation rendered by hand) does not get a secon
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -80,6 +81,18 @@ def chat_template_errors() -> tuple[type[BaseException], ...]:
     except ImportError:
         return ()
     return (TemplateError,)
+
+
+def tokenize_located(
+    example: dict[str, Any], index: int, locator: Callable[[int], str], tokenize: Callable[..., dict[str, Any]],
+    **kwargs: Any,
+) -> dict[str, Any]:
+    """``tokenize(example, **kwargs)``, with where the row is (``locator(index)``: its file and line) in any error:
+    the ``datasets.map`` function of every datamodule's tokenization (``with_indices=True``)."""
+    try:
+        return tokenize(example, **kwargs)
+    except (ValueError, TypeError, KeyError, *chat_template_errors()) as error:
+        raise ValueError(f"{locator(index)}: {error}") from error
 
 
 def has_generation_marks(chat_template: str | None) -> bool:
