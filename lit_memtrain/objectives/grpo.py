@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor, nn
+from torchmetrics import MeanMetric
 
 from lit_memtrain.datamodules.batch import shift_targets
 from lit_memtrain.models.builder import build_training_model, load_sharded
@@ -123,9 +124,10 @@ class GRPOModule(CausalLMModule):
     Logged (``train/``, TRL's names): ``reward``, ``reward_std``, ``rewards/<function>/mean`` and ``/std``,
     ``frac_reward_zero_std``, ``completions/{mean,min,max}_length``, ``completions/clipped_ratio``,
     ``completions/{mean,min,max}_terminated_length``, ``kl`` (``beta != 0``), ``clip_ratio/{low_mean,low_min,
-    high_mean,high_max,region_mean}``, ``loss``, ``tokens`` (trained tokens) and the throughput; ``val/reward`` and
-    ``val/rewards/<function>/mean`` on validation prompts. Not logged: ``entropy`` (it needs a second pass over the
-    LM head).
+    high_mean,high_max,region_mean}``, ``loss``, ``tokens`` (trained tokens) and the throughput; ``val/reward``,
+    ``val/rewards/<function>/mean`` and ``val/completions/mean_length`` on validation prompts, over the whole
+    validation set (every rank's completions, whatever each rank's number of prompts). Not logged: ``entropy`` (it
+    needs a second pass over the LM head).
 
     Example:
         >>> module = GRPOModule(preset="tiny-qwen3", tokenizer="lit-memtrain/embedded", reward_funcs=[accuracy])
@@ -207,6 +209,13 @@ class GRPOModule(CausalLMModule):
             self.hparams["generation_backend"] = type(generation_backend).__name__
         self._backend_ready = False
         self._micro_steps = 0
+        # What on_validation_epoch_end logs (val_metric_names): torchmetrics, each rank's completions summed over
+        # every rank when computed, so validation needs no collective per batch (ranks may hold different numbers of
+        # prompts). A function's metric is keyed by its place: its name may hold a "." (a reward model's hub id).
+        self.val_metrics = nn.ModuleDict(
+            {"reward": MeanMetric(nan_strategy="ignore"), "completions/mean_length": MeanMetric(),
+             **{f"rewards/{i}": MeanMetric(nan_strategy="ignore") for i in range(len(self.reward_functions.names))}}
+        )  # fmt: skip
         self._mean_rewards: list[float] = []
         # The frozen reference copy (beta != 0 without LoRA) is kept out of the module tree on purpose: not in
         # state_dict (a checkpoint holds the trained model once; the reference is rebuilt from the initial weights),
@@ -417,6 +426,17 @@ class GRPOModule(CausalLMModule):
         """Generate ``num_generations`` completions of each prompt of ``batch`` and score them: the rollout, this
         rank's rewards ``[N, K]`` (one column per reward function, NaN where not scored) and the completion metrics
         TRL logs (over every rank)."""
+        rollout, rewards, truncated, logged = self._generate_and_score(batch, where)
+        metrics = self._completion_metrics(rollout, truncated)
+        metrics.update({name: torch.tensor(statistics.fmean(values)) for name, values in logged.items()})
+        return rollout, rewards, metrics
+
+    def _generate_and_score(
+        self, batch: dict[str, Any], where: str
+    ) -> tuple[Rollout, Tensor, Tensor, dict[str, list[float]]]:
+        """:meth:`generate_rollout` on this rank alone, no collective (validation calls it with however many prompts
+        the rank holds): the rollout, its rewards ``[N, K]``, which completions were truncated ``[N]`` and what the
+        reward functions logged."""
         prompts, prompt_ids, columns = batch["prompt"], batch["prompt_ids"], batch.get("columns", {})
         generations, backend = self.num_generations, self.generation_backend_for_run()
         completion_ids = backend.generate(self.model, prompt_ids, generations, self.device, self.trainer.global_step)
@@ -441,10 +461,7 @@ class GRPOModule(CausalLMModule):
         ends = {*backend.eos_token_ids, self.tokenizer.pad_token_id}
         truncated = torch.tensor([not ids or ids[-1] not in ends for ids in completion_ids])
         trained = ~truncated if self.hparams.mask_truncated_completions else torch.ones_like(truncated)
-        rollout = Rollout.of(repeat(prompt_ids), completion_ids, trained)
-        metrics = self._completion_metrics(rollout, truncated)
-        metrics.update({name: torch.tensor(statistics.fmean(values)) for name, values in logged.items()})
-        return rollout, rewards, metrics
+        return Rollout.of(repeat(prompt_ids), completion_ids, trained), rewards, truncated, logged
 
     def prepare_rollout(self, rollout: Rollout, rewards: Tensor) -> tuple[Rollout, dict[str, Tensor]]:
         """What training needs of a scored rollout: the sampling policy's log-probabilities (off-policy), the
@@ -593,17 +610,28 @@ class GRPOModule(CausalLMModule):
             scheduler.step()
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        """Generate and score completions of validation prompts (no loss): ``val/reward`` and per function."""
+        """Generate and score completions of validation prompts (no loss): this rank's completions update
+        :attr:`val_metrics` (NaN, unscored, rewards left out, as ``nanmean`` does)."""
         where = f"validation batch {batch_idx} (global step {self.trainer.global_step})"
-        _, rewards, metrics = self.generate_rollout(batch, where)
-        rewards = self._gather_rows(rewards)
-        metrics.update(self._reward_metrics(rewards, combine_rewards(rewards, self.reward_functions.weights)))
-        prompts = len(batch["prompt_ids"])
-        for name in ("reward", "completions/mean_length", *[f"rewards/{n}/mean" for n in self.reward_functions.names]):
-            self.log(f"val/{name}", metrics[name].float(), prog_bar=name == "reward", batch_size=prompts)
+        rollout, rewards, _, _ = self._generate_and_score(batch, where)
+        rewards = rewards.to(self.device)
+        metrics = self.val_metrics
+        metrics["reward"].update(combine_rewards(rewards, self.reward_functions.weights))
+        lengths = torch.tensor([len(ids) for ids in rollout.completion_ids], dtype=torch.float32, device=self.device)
+        metrics["completions/mean_length"].update(lengths)
+        for index in range(rewards.shape[1]):
+            metrics[f"rewards/{index}"].update(rewards[:, index])
+
+    def val_metric_names(self) -> dict[str, str]:
+        """What each of :attr:`val_metrics` is logged as, after ``val/``: TRL's names."""
+        names = {"reward": "reward", "completions/mean_length": "completions/mean_length"}
+        return names | {f"rewards/{i}": f"rewards/{name}/mean" for i, name in enumerate(self.reward_functions.names)}
 
     def on_validation_epoch_end(self) -> None:
-        """Nothing to add: :meth:`validation_step` logs the rewards (SFT's token metrics do not apply)."""
+        # The metric objects are logged, on every rank: Lightning computes each once, over every rank's updates.
+        names = self.val_metric_names()
+        for key, metric in self.val_metrics.items():
+            self.log(f"val/{names[key]}", metric, prog_bar=key == "reward")
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """A prompt batch holds no trained tokens: the step counts the batches it scores itself."""

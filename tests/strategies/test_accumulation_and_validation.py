@@ -10,7 +10,8 @@ was read ahead is refused.
 
 Two ranks (gloo): one launch of two forked processes runs every case in turn, each with its own Trainer: the
 schedule under DDP and FSDP2 against one process whose micro-batches hold both ranks' rows, and each module's
-validation metrics, read on every rank, against one process over the whole validation set.
+validation metrics, read on every rank, against one process over the whole validation set: SFT, DPO, and GRPO and
+RLOO, whose validation generates (greedily, so each rank draws what one process draws of the same prompts).
 """
 
 from __future__ import annotations
@@ -40,8 +41,12 @@ from lit_memtrain.datamodules.batch import IGNORE_INDEX, shift_targets
 from lit_memtrain.datamodules.collate import PaddedCollator
 from lit_memtrain.datamodules.embedded import make_preference
 from lit_memtrain.datamodules.preference import PreferenceDataModule
+from lit_memtrain.datamodules.prompts import PromptCollator
+from lit_memtrain.models.generation import SamplingSettings, TransformersGenerate
 from lit_memtrain.objectives.causal_lm import CausalLMModule
 from lit_memtrain.objectives.dpo import DPOModule
+from lit_memtrain.objectives.grpo import GRPOModule
+from lit_memtrain.objectives.rloo import RLOOModule
 from lit_memtrain.strategies import FSDP2Strategy
 
 WORLD = 2
@@ -66,9 +71,58 @@ class SeededDPO(DPOModule):
         super().configure_model()
 
 
+class SeededGRPO(GRPOModule):
+    def configure_model(self) -> None:
+        if self.model is None:
+            torch.manual_seed(0)
+        super().configure_model()
+
+
+class SeededRLOO(RLOOModule):
+    def configure_model(self) -> None:
+        if self.model is None:
+            torch.manual_seed(0)
+        super().configure_model()
+
+
+MAX_COMPLETION = 5
+GREEDY = SamplingSettings(max_completion_length=MAX_COMPLETION, do_sample=False)
+
+
+class CutGreedy(TransformersGenerate):
+    """Greedy completions (the same on whichever rank they are drawn) cut to a length set by the prompt's length, so
+    that the mean completion length of each rank's prompts differs from that of the whole set."""
+
+    def generate(self, model, prompt_ids, num_generations, device, weights_version):
+        completions = super().generate(model, prompt_ids, num_generations, device, weights_version)
+        return [c[: 1 + len(prompt_ids[i // num_generations]) % MAX_COMPLETION] for i, c in enumerate(completions)]
+
+
+def _score(completions, score, **kwargs):
+    """The prompt's own score: rank 0's prompts score low, rank 1's high."""
+    return [float(s) for s in score]
+
+
+def _length(completion_ids, scored, **kwargs):
+    """The completion's length, where the prompt is scored (None, NaN, elsewhere: left out of the means)."""
+    return [float(len(ids)) if s else None for ids, s in zip(completion_ids, scored)]
+
+
+def _rl_module(kind: str) -> GRPOModule:
+    cls, options = (SeededGRPO, {}) if kind == "grpo" else (SeededRLOO, {"beta": 0.0})
+    return cls(
+        preset="tiny-qwen3", tokenizer="lit-memtrain/embedded", reward_funcs=[_score, _length],
+        reward_weights=[1.0, 0.5], num_generations=2, max_completion_length=MAX_COMPLETION, do_sample=False,
+        generation_backend=CutGreedy(GREEDY, [2], pad_token_id=0), **options,
+        config_overrides={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "head_dim": 16},
+    )  # fmt: skip
+
+
 def _module(kind: str) -> LightningModule:
     if kind == "sft":
         return SeededSFT(preset="tiny-qwen3", **SGD)
+    if kind in ("grpo", "rloo"):
+        return _rl_module(kind)
     return SeededDPO(preset="tiny-qwen3", tokenizer="lit-memtrain/embedded", **SGD)
 
 
@@ -112,11 +166,27 @@ def _train_batches(kind: str, ranks: list[int]) -> list[dict[str, Any]]:
 VALIDATION_PAIRS = {0: [[6], [7]], 1: [[8, 9, 10], [11, 12, 13]]}
 
 
+VALIDATION_PROMPTS = {0: [1, 2], 1: [3, 1]}  # prompts per batch: 3 on rank 0, 4 on rank 1, in batches of unequal size
+
+
+def _prompt_batch(rank: int, batch: int) -> dict[str, Any]:
+    """Prompts of different lengths (so of different completion lengths), with the columns the rewards read."""
+    generator = torch.Generator().manual_seed(1000 + 10 * rank + batch)
+    rows = []
+    for row in range(VALIDATION_PROMPTS[rank][batch]):
+        ids = torch.randint(3, 384, (4 + 3 * rank + 2 * batch + row,), generator=generator).tolist()
+        rows.append({"prompt": f"rank {rank} batch {batch} row {row}", "prompt_ids": ids,
+                     "score": 10 * rank + batch + row, "scored": row != 1})  # fmt: skip
+    return PromptCollator(["score", "scored"])(rows)
+
+
 def _validation_batches(kind: str, rank: int) -> list[dict[str, Any]]:
     """Two batches a rank: rank 1's hold three times the rows (pairs) of rank 0's, so only a mean weighted by tokens
-    (pairs) over both ranks matches the whole set."""
+    (pairs) over both ranks matches the whole set; for GRPO and RLOO, 3 and 4 prompts in batches of unequal size."""
     if kind == "sft":
         return [PaddedCollator(pad_token_id=0)(_sft_rows(rank, 10 + i) * (1 + 2 * rank)) for i in range(2)]
+    if kind in ("grpo", "rloo"):
+        return [_prompt_batch(rank, batch) for batch in range(len(VALIDATION_PROMPTS[rank]))]
     return [_dpo_batch(indices) for indices in VALIDATION_PAIRS[rank]]
 
 
@@ -252,7 +322,7 @@ def test_a_step_read_ahead_for_another_accumulation_is_refused(kind):
 # ------------------------------------------------------------------------------------------------- two ranks
 
 FIT_CASES = [("sft", "ddp"), ("sft", "fsdp2"), ("dpo", "ddp"), ("dpo", "fsdp2")]
-VALIDATION_CASES = [("sft", "ddp"), ("dpo", "fsdp2")]
+VALIDATION_CASES = [("sft", "ddp"), ("dpo", "fsdp2"), ("grpo", "ddp"), ("rloo", "fsdp2")]
 
 
 def _strategy(name: str) -> Any:
@@ -335,13 +405,31 @@ def test_two_ranks_under_a_schedule_train_each_step_on_the_mean_over_both(kind, 
 
 @pytest.mark.parametrize("kind", ["sft", "dpo"])
 def test_validation_metrics_on_every_rank_are_those_of_the_whole_set(kind, two_ranks):
+    _assert_validation_metrics_of_the_whole_set(kind, two_ranks)
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_rl_validation_metrics_on_every_rank_are_those_of_the_whole_set(kind, two_ranks):
+    """Each rank generates greedily for its own prompts (3 and 4, in batches of 1 and 2, 3 and 1): the rewards and
+    completion lengths logged on every rank are those of one process over all 7 prompts, not of the rank's own."""
+    expected = _assert_validation_metrics_of_the_whole_set(kind, two_ranks)
+    scores = [[s for batch in _validation_batches(kind, rank) for s in batch["columns"]["score"]] for rank in (0, 1)]
+    whole = sum(scores[0] + scores[1]) / len(scores[0] + scores[1])
+    assert expected["val/rewards/_score/mean"] == pytest.approx(whole, rel=1e-6)
+    for own in scores:  # a rank's own mean is far from the whole set's: the comparison above can fail
+        assert abs(sum(own) / len(own) - whole) > 1
+
+
+def _assert_validation_metrics_of_the_whole_set(kind: str, two_ranks: Path) -> dict[str, float]:
     for error in sorted(two_ranks.glob(f"val-{kind}.rank*.error")):
         pytest.fail(f"the two-rank validation of {kind} failed on {error.stem}:\n{error.read_text()}")
     batches = [batch for rank in range(WORLD) for batch in _validation_batches(kind, rank)]
     trainer = _trainer([], devices=1)
     expected = trainer.validate(_module(kind), DataLoader(batches, batch_size=None), verbose=False)[0]
+    rl = {"reward", "completions/mean_length", "rewards/_score/mean", "rewards/_length/mean"}
     names = {"sft": {"loss", "ppl", "token_accuracy"}, "dpo": {"loss", "rewards/chosen", "rewards/rejected",
-             "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected"}}[kind]  # fmt: skip
+             "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected"},
+             "grpo": rl, "rloo": rl}[kind]  # fmt: skip
     assert set(expected) == {f"val/{name}" for name in names}
     for rank in range(WORLD):
         got = torch.load(two_ranks / f"val-{kind}-{rank}.pt", weights_only=True)
@@ -349,3 +437,4 @@ def test_validation_metrics_on_every_rank_are_those_of_the_whole_set(kind, two_r
         for name, value in expected.items():
             assert got["metrics"][name] == pytest.approx(value, rel=1e-5, abs=1e-6), f"rank {rank}: {name}"
         assert not [message for message in got["warnings"] if "sync_dist" in message]
+    return expected
