@@ -14,14 +14,20 @@ and handed to ``lit-memtrain plan`` in a child process (a simulation must run in
 :mod:`lit_memtrain.planner.simulate`), which refuses what it cannot plan with the reason. The callback imports
 nothing of the planner, which sits above it. Only global rank 0 simulates; with ``stop=True`` every rank learns
 the verdict and stops together.
+
+Why the child starts when the callback is made: a new Python process spends several seconds importing torch,
+transformers and Lightning before it simulates anything, more than a small plan's simulation. Made with the
+callback, the child is forked from this process before the fit starts, with those imports done, or where that is
+not safe is a new interpreter importing while the fit prepares its data (:mod:`lit_memtrain.callbacks.planner_process`);
+either way the fit waits for little more than the simulation. It is started only where the check will run (a
+``gpu_memory_gib``, or CUDA) and in the first process of a launch, and stopped when the fit ends or the callback is
+dropped.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -31,6 +37,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_memtrain.callbacks.live_fit import fit_config
+from lit_memtrain.callbacks.planner_process import PlannerProcess
 from lit_memtrain.models.builder import ModelRecipe
 
 __all__ = ["MemoryPlanCheck"]
@@ -78,21 +85,41 @@ class MemoryPlanCheck(Callback):
         self.stop = stop
         self.timeout = timeout
         self.plan: dict[str, Any] | None = None
+        self._planner: PlannerProcess | None = PlannerProcess() if self._may_plan_in_this_process() else None
+
+    def _may_plan_in_this_process(self) -> bool:
+        """Whether this process is a launch's first (the one that plans) and the check will run in it."""
+        first = all(os.environ.get(name, "0") == "0" for name in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
+        return first and (self.gpu_memory_gib is not None or torch.cuda.is_available())
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_planner": None}  # a copy of the callback (a spawned rank) starts its own
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
         message = None
-        if trainer.is_global_zero:
-            self.plan = self._plan(trainer, pl_module)
-            if self.plan is not None and not self.plan["fits"]:
-                message = _not_fitting(self.plan)
+        try:
+            if trainer.is_global_zero:
+                self.plan = self._plan(trainer, pl_module)
+        finally:
+            self._stop_planner()  # used, or not needed (another rank; a fit the check skips)
+        if trainer.is_global_zero and self.plan is not None and not self.plan["fits"]:
+            message = _not_fitting(self.plan)
         if self.stop:
             message = trainer.strategy.broadcast(message, src=0)
             if message is not None:
                 raise RuntimeError(f"MemoryPlanCheck stopped the fit before the model was built. {message}")
         if message is not None:
             rank_zero_warn(message)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._stop_planner()
+
+    def _stop_planner(self) -> None:
+        if self._planner is not None:
+            self._planner.stop()
+            self._planner = None
 
     def _plan(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any] | None:
         if not isinstance(getattr(pl_module, "recipe", None), ModelRecipe):
@@ -113,14 +140,13 @@ class MemoryPlanCheck(Callback):
         if gpu_memory_gib is None:
             rank_zero_info(f"MemoryPlanCheck: training on {device.type}, not CUDA; give gpu_memory_gib to plan anyway.")
             return None
+        planner, self._planner = self._planner or PlannerProcess(), None
         with tempfile.TemporaryDirectory() as directory:
             path = Path(directory) / "fit_config.json"
             path.write_text(json.dumps(fit_config(trainer, pl_module, datamodule)))
-            command = [sys.executable, "-m", "lit_memtrain.planner.command", "--fit-config", str(path), "--json",
-                       "--gpu-memory", str(gpu_memory_gib), "--margin", str(self.margin)]  # fmt: skip
-            # The child imports the fit's classes (a module or callback of the user's own) as this process does.
-            environment = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-            result = subprocess.run(command, capture_output=True, text=True, timeout=self.timeout, env=environment)
+            arguments = ["--fit-config", str(path), "--json", "--gpu-memory", str(gpu_memory_gib),
+                         "--margin", str(self.margin)]  # fmt: skip
+            result = planner.run(arguments, self.timeout)
         stderr = result.stderr.strip()
         if result.returncode == 2 and _REFUSAL in stderr:  # a module, data or option the planner cannot plan
             rank_zero_warn(f"MemoryPlanCheck cannot plan this fit, skipped: {stderr.rsplit(_REFUSAL, 1)[1]}")

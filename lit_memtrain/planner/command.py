@@ -10,12 +10,16 @@ memory, and whether it fits::
 
 Also run as ``python -m lit_memtrain.planner.command --fit-config FILE.json``, with a fit configuration as
 LightningCLI parses it (``model``, ``data`` and ``trainer`` sections) written as JSON: how the ``MemoryPlanCheck``
-callback plans its live fit (:mod:`lit_memtrain.callbacks.live_fit`), without LightningCLI's parser.
+callback plans its live fit (:mod:`lit_memtrain.callbacks.live_fit`), without LightningCLI's parser. With
+``--arguments-from-stdin`` it imports what a plan needs, then reads its arguments as one JSON list from a line of
+standard input: the callback starts it as early as it can, so that the imports (most of a small plan's time) are done
+while the fit is still setting up (an empty line, or the end of the input, ends it with nothing planned).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import warnings
@@ -87,12 +91,10 @@ def _plan(
     fit_args: list[str],
     read_fit_arguments: Callable[[list[str]], PlanSettings] | None,
 ) -> PlanReport:
-    # The stand-in device must be registered before anything in this process runs autograd.
     from lit_memtrain.planner.simulate import stand_in_device
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecations, once per simulation
 
-    stand_in_device()
     from lit_memtrain.planner.fit_config import settings_from_config
     from lit_memtrain.planner.plan import DEFAULT_MARGIN, Planner, gpu_budget
     from lit_memtrain.planner.report import PlanReport
@@ -109,12 +111,17 @@ def _plan(
     settings = _with_context_parallel(settings, options.context_parallel_size, options.context_parallel_method)
     budget = gpu_budget(options.gpu_memory, DEFAULT_MARGIN if options.margin is None else options.margin)
     planner = Planner(settings, budget)
-    report = PlanReport(settings, budget, planner.simulate())
-    report.suggestion = planner.suggestion()
-    if options.find_max_length:
-        report.search = planner.longest_length()
-    if options.compare or options.plot:
-        report.comparison = planner.comparison()
+    compare = bool(options.compare or options.plot)
+    # Workers are forked before this process registers the stand-in device (each registers its own), and the
+    # device is registered before anything here runs autograd.
+    with planner.searches_in_parallel(compare) if options.find_max_length or compare else contextlib.nullcontext():
+        stand_in_device()
+        report = PlanReport(settings, budget, planner.simulate())
+        report.suggestion = planner.suggestion()
+        if options.find_max_length:
+            report.search = planner.longest_length()
+        if compare:
+            report.comparison = planner.comparison()
     if options.plot:
         from lit_memtrain.planner.plot import write_plot
 
@@ -147,5 +154,14 @@ def _with_context_parallel(settings, size: int | None, method: str | None):
     return settings.replace(strategy=dataclasses.replace(strategy, **changes))
 
 
+def _main_with_arguments_from_stdin() -> int:
+    import lit_memtrain.planner.fit_config  # noqa: F401  (the imports are why this mode exists)
+    import lit_memtrain.planner.plan  # noqa: F401
+    import lit_memtrain.planner.report  # noqa: F401
+
+    line = sys.stdin.readline()
+    return main(json.loads(line)) if line.strip() else 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_main_with_arguments_from_stdin() if sys.argv[1:] == ["--arguments-from-stdin"] else main())

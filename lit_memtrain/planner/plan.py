@@ -8,14 +8,19 @@ therefore fits when its peak is at most ``(1 - margin) x`` the GPU's memory; the
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
+import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from lit_memtrain.planner.search import LengthSearch, find_max_length
 from lit_memtrain.planner.settings import PlanSettings
+from lit_memtrain.planner.simulate import stand_in_device, stand_in_device_registered
 from lit_memtrain.planner.step import StepSimulation, simulate_fit_step
 from lit_memtrain.planner.techniques import (
     Techniques,
@@ -91,6 +96,43 @@ class Planner:
     budget: Budget
     progress: Callable[[str], None] = field(default=lambda line: print(line, file=sys.stderr, flush=True))
     _simulations: dict[tuple[Techniques, int], StepSimulation] = field(default_factory=dict)
+    _searches: dict[Techniques, Future[_Searched]] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def searches_in_parallel(self, compare: bool) -> Iterator[None]:
+        """Search the longest length of the configuration, and of every ``--compare`` row if ``compare``, in worker
+        processes, one per CPU core, while the context is open; :meth:`simulate`, :meth:`longest_length` and
+        :meth:`comparison` then collect what they need from them.
+
+        Why processes: each search is a chain of simulations, each one single-threaded and seconds to tens of
+        seconds long; the rows are independent, so on 8 cores eight of them run at once. Why forked, and here:
+        a worker is this process as it is before its first simulation (torch and the model code imported, the
+        configuration read, no thread started), so it starts in milliseconds, where a new interpreter would import
+        for seconds. Autograd cannot run on the stand-in device in a child forked after it was registered (its
+        probe runs a backward), so enter this before :func:`~lit_memtrain.planner.simulate.stand_in_device`; each
+        worker registers its own. Where the device is registered already, fork is not available (not Linux) or
+        there is one core, everything runs in this process, as without the context.
+        """
+        searches = {techniques_of(self.settings): ("plan", "longest length")}  # purposes: its first step, the rest
+        if compare:
+            for name, techniques, _ in comparison_rows(self.settings):
+                if techniques is not None:
+                    searches.setdefault(techniques, (f"compare {name}", f"compare {name}"))
+        workers = min(len(searches), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+        if stand_in_device_registered() or workers < 2 or sys.platform != "linux":
+            yield
+            return
+        context = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(workers, context, initializer=_start_worker, initargs=(self,)) as executor:
+            # The costliest rows (the most techniques) are last in the table: first in the queue.
+            for techniques, purposes in reversed(searches.items()):
+                self._searches[techniques] = executor.submit(_search, techniques, *purposes)
+            try:
+                yield
+            finally:
+                for search in self._searches.values():
+                    search.cancel()
+                self._searches = {}
 
     def simulate(
         self, techniques: Techniques | None = None, max_length: int | None = None, purpose: str = "plan"
@@ -100,6 +142,11 @@ class Planner:
         techniques = techniques_of(self.settings) if techniques is None else techniques
         max_length = self.settings.max_length if max_length is None else max_length
         key = (techniques, max_length)
+        if key not in self._simulations and techniques in self._searches and max_length == self.settings.max_length:
+            searched = self._searches[techniques].result()
+            if searched.refusal is not None:
+                raise ValueError(searched.refusal)
+            self._simulations[key] = searched.step
         if key not in self._simulations:
             start = time.process_time()
             step = simulate_fit_step(with_techniques(self.settings, techniques), max_length)
@@ -121,6 +168,8 @@ class Planner:
         :mod:`lit_memtrain.planner.search`)."""
         techniques = techniques_of(self.settings) if techniques is None else techniques
         configured = self.simulate(techniques, purpose=purpose)
+        if techniques in self._searches:
+            return self._searches[techniques].result().search
         return find_max_length(
             lambda length: self.simulate(techniques, length, purpose).memory.device_peak,
             self.budget.usable,
@@ -177,6 +226,35 @@ class Planner:
                     row.search = self.longest_length(techniques, purpose=f"compare {name}")
             rows.append(row)
         return rows
+
+
+@dataclass(frozen=True)
+class _Searched:
+    """What a worker sends back for one set of techniques: the configured length's step and the longest length, or
+    why the techniques cannot be simulated (a ``ValueError``'s message)."""
+
+    step: StepSimulation | None = None
+    search: LengthSearch | None = None
+    refusal: str | None = None
+
+
+_worker_planner: Planner | None = None
+
+
+def _start_worker(planner: Planner) -> None:
+    global _worker_planner
+    stand_in_device()
+    _worker_planner = Planner(planner.settings, planner.budget, planner.progress)
+
+
+def _search(techniques: Techniques, first: str, purpose: str) -> _Searched:
+    """In a worker: the configured length's step (``first`` names it in the progress line) and the longest length."""
+    assert _worker_planner is not None
+    try:
+        step = _worker_planner.simulate(techniques, purpose=first)
+    except ValueError as error:
+        return _Searched(refusal=str(error))
+    return _Searched(step, _worker_planner.longest_length(techniques, purpose))
 
 
 def breakdown(step: StepSimulation) -> dict[str, int]:

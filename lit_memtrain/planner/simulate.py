@@ -77,6 +77,7 @@ __all__ = [
     "meta_causal_lm",
     "simulate_step",
     "stand_in_device",
+    "stand_in_device_registered",
     "step_phases",
     "tiles_simulated_once",
 ]
@@ -166,6 +167,11 @@ def stand_in_device() -> torch.device:
             "lit_memtrain.planner.simulate.stand_in_device() before any backward)."
         ) from error
     return device
+
+
+def stand_in_device_registered() -> bool:
+    """Whether :func:`stand_in_device` ran in this process (a child forked from it cannot run autograd on it)."""
+    return torch._C._get_privateuse1_backend_name() == STAND_IN_DEVICE
 
 
 _LIBRARIES: list[torch.library.Library] = []

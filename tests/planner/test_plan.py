@@ -10,6 +10,7 @@ process's first backward. The two longest start early, in the background.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -87,6 +88,58 @@ print(json.dumps(results))
 
 
 SIMULATIONS = ("-c", _SIMULATIONS)
+
+
+_IN_PARALLEL_AND_ONE_BY_ONE = """
+import contextlib, json, os, sys, time
+import lit_memtrain.planner.plan as plan
+from lit_memtrain.cli.plan import read_fit_config
+from lit_memtrain.planner.simulate import MemoryReport, stand_in_device
+from lit_memtrain.planner.step import StepSimulation
+
+def simulate_fit_step(settings, max_length):
+    # A peak affine in the length, different per set of techniques; the process that computed it, in its notes.
+    time.sleep(0.05)  # long enough for every worker to take a search
+    key = sum(map(ord, repr(sorted(spec.class_path for spec in settings.callbacks))))
+    peak = 2**20 + (64 + key % 97) * max_length
+    memory = MemoryReport(peak, 0, {"activations": peak}, 2**20, "forward")
+    return StepSimulation(memory, max_length, 1, 1, 2, 512, (str(os.getpid()),))
+
+plan.simulate_fit_step = simulate_fit_step
+settings = read_fit_config(json.loads(sys.argv[1]))
+budget = plan.Budget(2**30)
+results = []
+for parallel in (True, False):  # forked workers first: they must start before this process registers its device
+    lines = []
+    planner = plan.Planner(settings, budget, progress=lines.append)
+    with planner.searches_in_parallel(compare=True) if parallel else contextlib.nullcontext():
+        stand_in_device()
+        rows = planner.comparison()
+        configured = planner.simulate()
+        search = planner.longest_length()
+    results.append({
+        "rows": [(row.name, row.step and row.step.memory.device_peak, row.search and row.search.peaks, row.note)
+                 for row in rows],
+        "search": [search.max_length, search.too_long, search.peaks],
+        "processes": sorted({int(pid) for row in rows if row.step for pid in row.step.notes} - {os.getpid()}),
+        "configured_here": configured.notes == (str(os.getpid()),),
+        "lines_here": len(lines),
+    })
+print(json.dumps(results))
+"""
+
+
+def test_searches_in_worker_processes_find_what_one_process_finds(preloaded_python):
+    """The plumbing of the workers (which search runs where, what comes back), with a stand-in simulation; the real
+    one is the same code in a forked process."""
+    result = preloaded_python.run("-c", _IN_PARALLEL_AND_ONE_BY_ONE, json.dumps([*TINY, "--data.max_length=4096"]))
+    assert result.returncode == 0, result.stderr[-3000:]
+    parallel, one_by_one = json.loads(result.stdout.strip().splitlines()[-1])
+    assert parallel["rows"] == one_by_one["rows"] and parallel["search"] == one_by_one["search"]
+    assert sum(row[1] is not None for row in parallel["rows"]) >= 6 and parallel["search"][0] > 0
+    assert 1 < len(parallel["processes"]) <= len(os.sched_getaffinity(0))  # one worker per core, all used
+    assert not parallel["configured_here"]  # the configured search, too, ran in a worker
+    assert parallel["lines_here"] == 0 and one_by_one["lines_here"] > 6 and one_by_one["configured_here"]
 
 
 def _compare_and_plot(directory: Path) -> tuple[str, ...]:
@@ -201,7 +254,7 @@ def _check_progress(stderr: str, plan: dict, rows: dict) -> None:
     found = [_PROGRESS.fullmatch(line) for line in stderr.splitlines() if line.startswith("[")]
     assert found and all(found), stderr[-3000:]
     simulations = [(match[1], match[2], int(match[3].replace(",", "")), match[5]) for match in found]
-    assert simulations[0][0] == "plan" and simulations[0][2] == 4096
+    assert [length for what, _, length, _ in simulations if what == "plan"] == [4096]  # the searches run at once
     assert len({(techniques, length) for _, techniques, length, _ in simulations}) == len(simulations)  # once each
     verdicts = {(techniques, length): verdict for _, techniques, length, verdict in simulations}
     for purpose, expected in [("longest length", plan), *((f"compare {name}", row) for name, row in rows.items())]:

@@ -1,0 +1,95 @@
+"""PlannerProcess, MemoryPlanCheck's child: forked from a process that has run no autograd and started no thread (its
+imports done), a new interpreter otherwise or when the forked child cannot register its device; the same plan each
+way. Each case runs in a process of its own, as a script would (``preloaded_python``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+FIT = {
+    "model": {"class_path": "lit_memtrain.CausalLMModule",
+              "init_args": {"preset": "tiny-qwen3", "loss_type": "nll",
+                            "config_overrides": {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+                                                 "num_hidden_layers": 2}}},
+    "data": {"class_path": "lit_memtrain.SFTDataModule", "init_args": {"max_length": 8192, "batch_size": 1}},
+    "trainer": {"precision": "32-true"},
+}  # fmt: skip
+
+_SCRIPT = r"""
+import json, subprocess, sys, threading
+import torch
+from lit_memtrain.callbacks.planner_process import PlannerProcess
+
+new_interpreters = []
+
+class Counted(subprocess.Popen):
+    def __init__(self, args, *rest, **kwargs):
+        new_interpreters.append(args)
+        super().__init__(args, *rest, **kwargs)
+
+subprocess.Popen = Counted
+case, fit = sys.argv[1:]
+if case == "after_a_backward":  # a notebook's second fit: the forked child cannot register its device
+    x = torch.ones(2, requires_grad=True)
+    (2 * x).sum().backward()
+if case == "another_thread":
+    threading.Thread(target=threading.Event().wait, daemon=True).start()
+planner = PlannerProcess()
+forked = planner.forked
+timeout = 0.001 if case == "timeout" else 300
+try:
+    result = planner.run(["--fit-config", fit, "--json", "--gpu-memory", "0.06"], timeout=timeout)
+except subprocess.TimeoutExpired:
+    result = None
+print(json.dumps({
+    "forked": forked, "new_interpreters": len(new_interpreters), "timed_out": result is None,
+    "plan": json.loads(result.stdout) if result is not None and result.returncode == 0 else None,
+    "stderr": "" if result is None else result.stderr[-2000:],
+}))
+"""
+
+CASES = ("clean", "after_a_backward", "another_thread", "timeout")
+
+
+def _fit_file(python) -> str:
+    path = python.directory / "planner_process_fit.json"
+    path.write_text(json.dumps(FIT))
+    return str(path)
+
+
+def start_early(python) -> None:
+    """Queued when collection ends (tests/conftest.py)."""
+    for case in CASES:
+        python.start("-c", _SCRIPT, case, _fit_file(python))
+
+
+@pytest.fixture(scope="module")
+def outcomes(preloaded_python) -> dict[str, dict]:
+    results = {}
+    for case in CASES:
+        result = preloaded_python.run("-c", _SCRIPT, case, _fit_file(preloaded_python))
+        assert result.returncode == 0, result.stderr[-3000:]
+        results[case] = json.loads(result.stdout.strip().splitlines()[-1])
+    return results
+
+
+def test_a_clean_process_plans_in_a_forked_child_without_a_new_interpreter(outcomes):
+    clean = outcomes["clean"]
+    assert clean["forked"] and clean["new_interpreters"] == 0, clean["stderr"]
+    plan = clean["plan"]
+    assert plan["sequence_length"] == 8192 and plan["fits"] is False and plan["suggestion"]["fits"] is True
+
+
+def test_where_the_fork_cannot_plan_a_new_interpreter_gives_the_same_plan(outcomes):
+    clean = outcomes["clean"]["plan"]
+    after_a_backward, another_thread = outcomes["after_a_backward"], outcomes["another_thread"]
+    assert after_a_backward["forked"] and after_a_backward["new_interpreters"] == 1  # forked, then fell back
+    assert not another_thread["forked"] and another_thread["new_interpreters"] == 1  # not forked at all
+    for outcome in (after_a_backward, another_thread):
+        assert outcome["plan"] == clean, outcome["stderr"]
+
+
+def test_a_plan_past_its_timeout_is_killed_and_raises(outcomes):
+    assert outcomes["timeout"]["timed_out"] and outcomes["timeout"]["forked"]
