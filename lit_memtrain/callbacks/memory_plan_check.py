@@ -21,7 +21,8 @@ callback, the child is forked from this process before the fit starts, with thos
 not safe is a new interpreter importing while the fit prepares its data (:mod:`lit_memtrain.callbacks.planner_process`);
 either way the fit waits for little more than the simulation. It is started only where the check will run (a
 ``gpu_memory_gib``, or CUDA) and in the first process of a launch, and stopped when the fit ends or the callback is
-dropped.
+dropped. Under a launcher that runs the ranks in processes of its own (``ddp_spawn``, ``ddp_fork``), rank 0 plans
+in a new interpreter, and the launching process's child waits unused until that process ends.
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ class MemoryPlanCheck(Callback):
     def _may_plan_in_this_process(self) -> bool:
         """Whether this process is a launch's first (the one that plans) and the check will run in it."""
         first = all(os.environ.get(name, "0") == "0" for name in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
-        return first and (self.gpu_memory_gib is not None or torch.cuda.is_available())
+        # device_count asks NVML, not CUDA: torch.cuda.is_available() here would break a later forking launcher.
+        return first and (self.gpu_memory_gib is not None or torch.cuda.device_count() > 0)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_planner": None}  # a copy of the callback (a spawned rank) starts its own

@@ -22,7 +22,6 @@ below it (docs/architecture.md).
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import json
 import os
@@ -34,8 +33,10 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -44,14 +45,17 @@ __all__ = ["PlannerProcess"]
 _COMMAND = "lit_memtrain.planner.command"
 _PREPARED = ("lit_memtrain.planner.fit_config", "lit_memtrain.planner.plan", "lit_memtrain.planner.report")
 _CANNOT_SIMULATE_HERE = 3  # the forked child's exit status when the stand-in device cannot be registered in it
+_REFUSED = 2  # the planner's exit status for a configuration it cannot plan (the reason on stderr)
 _POLL_S = 0.02
 
 
 @dataclass
 class _Children:
     """What :meth:`PlannerProcess.stop` ends: the forked child (its pid, the pipe its arguments go through and the
-    folder of its output) and the new interpreter, whichever were started."""
+    folder of its output) and the new interpreter, whichever were started, by the process that started them (a
+    process forked from it later, a rank of a forking launcher, holds copies it must not touch)."""
 
+    owner: int = field(default_factory=os.getpid)
     forked: int | None = None
     arguments: int | None = None
     output: str | None = None
@@ -59,8 +63,8 @@ class _Children:
 
 
 class PlannerProcess:
-    """A planner child, importing from the moment this is made; :meth:`run` plans once, :meth:`stop` (or the object
-    being collected, or the interpreter exiting) ends it.
+    """A planner child, importing from the moment this is made; :meth:`run` plans, :meth:`stop` (or the object being
+    collected, or the interpreter exiting) ends it.
 
     Example:
         >>> planner = PlannerProcess()  # doctest: +SKIP
@@ -81,29 +85,42 @@ class PlannerProcess:
         return self._children.forked is not None
 
     def run(self, arguments: list[str], timeout: float) -> subprocess.CompletedProcess:
-        """Plan with ``lit-memtrain plan``'s ``arguments``: its exit status and what it printed.
+        """Plan with ``lit-memtrain plan``'s ``arguments``: its exit status and what it printed. A forked child that
+        fails (other than by refusing the configuration, status 2) is not trusted: a new interpreter plans again.
+        Called in another process than the one that made this (a forked rank), or a second time, a new interpreter
+        plans.
 
         Raises:
             subprocess.TimeoutExpired: it took more than ``timeout`` seconds (the child is killed).
         """
         children, line = self._children, json.dumps(arguments) + "\n"
         try:
+            if os.getpid() != children.owner:
+                self.stop()  # lets go of the copies, ends nothing
+                children = self._children = _Children()
+                self.stop = weakref.finalize(self, _end, children)
             if children.forked is not None:
                 result = self._run_forked(line, timeout)
-                if result.returncode != _CANNOT_SIMULATE_HERE:
+                if result.returncode in (0, _REFUSED):
                     return result
-                children.fresh = _fresh_interpreter()
-            stdout, stderr = children.fresh.communicate(line, timeout=timeout)
-            return subprocess.CompletedProcess(children.fresh.args, children.fresh.returncode, stdout, stderr)
+            fresh = children.fresh = children.fresh or _fresh_interpreter()
+            stdout, stderr = fresh.communicate(line, timeout=timeout)
+            return subprocess.CompletedProcess(fresh.args, fresh.returncode, stdout, stderr)
         finally:
             self.stop()
 
     def _fork(self) -> None:
         output = tempfile.mkdtemp(prefix="lit-memtrain-plan-")
+        for name in ("stdout", "stderr"):  # there to read even if the child dies before writing them
+            Path(output, name).touch()
         read_end, write_end = os.pipe()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                stream.flush()
+        with warnings.catch_warnings():
+            # Python 3.12+ warns of any other OS thread; numpy's OpenBLAS pool is one, and handles a fork itself.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
         if pid == 0:  # the child: it never returns from here
             status = 1
             try:
@@ -120,23 +137,31 @@ class PlannerProcess:
 
     def _run_forked(self, line: str, timeout: float) -> subprocess.CompletedProcess:
         children = self._children
+        descriptor, children.arguments = children.arguments, None
         try:
-            os.write(children.arguments, line.encode())
+            os.write(descriptor, line.encode())
         except BrokenPipeError:  # it ended already (it could not register its device): its status says why
             pass
-        os.close(children.arguments)
-        children.arguments = None
-        status = _wait(children.forked, timeout)
-        children.forked = None
-        stdout, stderr = (open(os.path.join(children.output, name)).read() for name in ("stdout", "stderr"))
+        finally:
+            os.close(descriptor)
+        pid, children.forked = children.forked, None
+        status = _wait(pid, timeout)
+        stdout, stderr = (Path(children.output, name).read_text() for name in ("stdout", "stderr"))
         return subprocess.CompletedProcess([sys.executable, "-m", _COMMAND], status, stdout, stderr)
 
 
 def _fork_is_safe() -> bool:
-    """No Python thread but this one (a lock another thread holds at the fork stays held in the child) and no CUDA
-    context (the child must not inherit one in use). Native thread pools are left: OpenBLAS's (started by importing
-    numpy) handles a fork itself, and the child runs torch's operators on one thread, so OpenMP's pool is not used."""
-    return sys.platform == "linux" and threading.active_count() == 1 and not torch.cuda.is_initialized()
+    """Linux, no Python thread but this one (a lock another thread holds at the fork stays held in the child), no
+    CUDA context (the child must not inherit one in use), and no PrivateUse1 device registered yet (the planner
+    registers its stand-in device as that, and autograd cannot use it in a child forked after its registration).
+    Native thread pools are left: OpenBLAS's (started by importing numpy) handles a fork itself, and the child runs
+    torch's operators on one thread, so OpenMP's pool is not used."""
+    return (
+        sys.platform == "linux"
+        and threading.active_count() == 1
+        and not torch.cuda.is_initialized()
+        and torch._C._get_privateuse1_backend_name() == "privateuseone"
+    )
 
 
 def _plan_when_asked(arguments: int, output: str) -> int:
@@ -185,21 +210,25 @@ def _wait(pid: int, timeout: float) -> int:
 
 
 def _end(children: _Children) -> None:
+    """Kill and reap what ``children`` started and remove its folder; in another process (a copy made by a fork),
+    only close the copies of the pipes."""
+    owner = os.getpid() == children.owner
     if children.arguments is not None:
-        os.close(children.arguments)
-        children.arguments = None
+        descriptor, children.arguments = children.arguments, None
+        os.close(descriptor)
     if children.forked is not None:
-        with contextlib.suppress(ProcessLookupError, ChildProcessError):  # reaped already (killed on a timeout)
-            os.kill(children.forked, signal.SIGKILL)
-            os.waitpid(children.forked, 0)
-        children.forked = None
+        pid, children.forked = children.forked, None
+        if owner:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
     if children.output is not None:
-        shutil.rmtree(children.output, ignore_errors=True)
-        children.output = None
+        output, children.output = children.output, None
+        if owner:
+            shutil.rmtree(output, ignore_errors=True)
     if children.fresh is not None:
-        if children.fresh.poll() is None:
-            children.fresh.kill()
-            children.fresh.wait()
-        for stream in (children.fresh.stdin, children.fresh.stdout, children.fresh.stderr):
+        fresh, children.fresh = children.fresh, None
+        if owner and fresh.poll() is None:
+            fresh.kill()
+            fresh.wait()
+        for stream in (fresh.stdin, fresh.stdout, fresh.stderr):
             stream.close()
-        children.fresh = None

@@ -19,7 +19,6 @@ while the fit is still setting up (an empty line, or the end of the input, ends 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import warnings
@@ -114,7 +113,7 @@ def _plan(
     compare = bool(options.compare or options.plot)
     # Workers are forked before this process registers the stand-in device (each registers its own), and the
     # device is registered before anything here runs autograd.
-    with planner.searches_in_parallel(compare) if options.find_max_length or compare else contextlib.nullcontext():
+    with planner.searches_in_parallel(options.find_max_length, compare):
         stand_in_device()
         report = PlanReport(settings, budget, planner.simulate())
         report.suggestion = planner.suggestion()

@@ -11,12 +11,16 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from lit_memtrain.planner.search import LengthSearch, find_max_length
 from lit_memtrain.planner.settings import PlanSettings
@@ -64,8 +68,6 @@ def gpu_budget(gpu_memory_gib: float | None = None, margin: float = DEFAULT_MARG
     """``gpu_memory_gib`` if given, else the local GPU's memory, else 80 GiB."""
     if gpu_memory_gib is not None:
         return Budget(int(gpu_memory_gib * GIB), margin, "--gpu-memory")
-    import torch
-
     if torch.cuda.is_available():
         properties = torch.cuda.get_device_properties(torch.cuda.current_device())
         return Budget(properties.total_memory, margin, f"the local GPU, {properties.name}")
@@ -99,10 +101,10 @@ class Planner:
     _searches: dict[Techniques, Future[_Searched]] = field(default_factory=dict)
 
     @contextlib.contextmanager
-    def searches_in_parallel(self, compare: bool) -> Iterator[None]:
-        """Search the longest length of the configuration, and of every ``--compare`` row if ``compare``, in worker
-        processes, one per CPU core, while the context is open; :meth:`simulate`, :meth:`longest_length` and
-        :meth:`comparison` then collect what they need from them.
+    def searches_in_parallel(self, find_max_length: bool, compare: bool) -> Iterator[None]:
+        """Search the longest length of the configuration if ``find_max_length``, and of every ``--compare`` row if
+        ``compare``, in worker processes, one per CPU core, while the context is open; :meth:`simulate`,
+        :meth:`longest_length` and :meth:`comparison` then collect what they need from them.
 
         Why processes: each search is a chain of simulations, each one single-threaded and seconds to tens of
         seconds long; the rows are independent, so on 8 cores eight of them run at once. Why forked, and here:
@@ -110,29 +112,40 @@ class Planner:
         configuration read, no thread started), so it starts in milliseconds, where a new interpreter would import
         for seconds. Autograd cannot run on the stand-in device in a child forked after it was registered (its
         probe runs a backward), so enter this before :func:`~lit_memtrain.planner.simulate.stand_in_device`; each
-        worker registers its own. Where the device is registered already, fork is not available (not Linux) or
-        there is one core, everything runs in this process, as without the context.
+        worker registers its own. Where the device is registered already, another thread runs, CUDA is initialised
+        (reading the local GPU's memory does that: ``--gpu-memory`` avoids it), fork is not available (not Linux)
+        or there is one core, everything runs in this process, as without the context. If
+        this process fails or is interrupted, the workers are killed rather than left to finish their searches.
+        :attr:`progress` is called in the worker that simulated (the command's prints to the stderr they share).
         """
-        searches = {techniques_of(self.settings): ("plan", "longest length")}  # purposes: its first step, the rest
+        searches: dict[Techniques, tuple[str, str]] = {}  # purposes: the configured length's step, the rest
+        if find_max_length:
+            searches[techniques_of(self.settings)] = ("plan", "longest length")
         if compare:
             for name, techniques, _ in comparison_rows(self.settings):
                 if techniques is not None:
                     searches.setdefault(techniques, (f"compare {name}", f"compare {name}"))
         workers = min(len(searches), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
-        if stand_in_device_registered() or workers < 2 or sys.platform != "linux":
+        alone = threading.active_count() == 1 and sys.platform == "linux" and not torch.cuda.is_initialized()
+        if stand_in_device_registered() or workers < 2 or not alone:
             yield
             return
         context = multiprocessing.get_context("fork")
-        with ProcessPoolExecutor(workers, context, initializer=_start_worker, initargs=(self,)) as executor:
+        started = context.SimpleQueue()  # each worker's pid, to kill them on an error
+        executor = ProcessPoolExecutor(workers, context, initializer=_start_worker, initargs=(self, started))
+        try:
             # The costliest rows (the most techniques) are last in the table: first in the queue.
             for techniques, purposes in reversed(searches.items()):
                 self._searches[techniques] = executor.submit(_search, techniques, *purposes)
-            try:
-                yield
-            finally:
-                for search in self._searches.values():
-                    search.cancel()
-                self._searches = {}
+            yield
+        except BaseException:
+            while not started.empty():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(started.get(), signal.SIGKILL)
+            raise
+        finally:
+            executor.shutdown(wait=True, cancel_futures=True)
+            self._searches = {}
 
     def simulate(
         self, techniques: Techniques | None = None, max_length: int | None = None, purpose: str = "plan"
@@ -144,7 +157,7 @@ class Planner:
         key = (techniques, max_length)
         if key not in self._simulations and techniques in self._searches and max_length == self.settings.max_length:
             searched = self._searches[techniques].result()
-            if searched.refusal is not None:
+            if searched.step is None:
                 raise ValueError(searched.refusal)
             self._simulations[key] = searched.step
         if key not in self._simulations:
@@ -169,7 +182,10 @@ class Planner:
         techniques = techniques_of(self.settings) if techniques is None else techniques
         configured = self.simulate(techniques, purpose=purpose)
         if techniques in self._searches:
-            return self._searches[techniques].result().search
+            searched = self._searches[techniques].result()
+            if searched.search is None:
+                raise ValueError(searched.refusal)
+            return searched.search
         return find_max_length(
             lambda length: self.simulate(techniques, length, purpose).memory.device_peak,
             self.budget.usable,
@@ -231,7 +247,7 @@ class Planner:
 @dataclass(frozen=True)
 class _Searched:
     """What a worker sends back for one set of techniques: the configured length's step and the longest length, or
-    why the techniques cannot be simulated (a ``ValueError``'s message)."""
+    why either could not be simulated (a ``ValueError``'s message; the step may have been simulated, the search not)."""
 
     step: StepSimulation | None = None
     search: LengthSearch | None = None
@@ -241,8 +257,11 @@ class _Searched:
 _worker_planner: Planner | None = None
 
 
-def _start_worker(planner: Planner) -> None:
+def _start_worker(planner: Planner, started: Any) -> None:
     global _worker_planner
+    started.put(os.getpid())
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends a worker at once, not after its search
+    torch.set_num_threads(1)  # one worker per core, each simulating on one thread
     stand_in_device()
     _worker_planner = Planner(planner.settings, planner.budget, planner.progress)
 
@@ -254,7 +273,10 @@ def _search(techniques: Techniques, first: str, purpose: str) -> _Searched:
         step = _worker_planner.simulate(techniques, purpose=first)
     except ValueError as error:
         return _Searched(refusal=str(error))
-    return _Searched(step, _worker_planner.longest_length(techniques, purpose))
+    try:
+        return _Searched(step, _worker_planner.longest_length(techniques, purpose))
+    except ValueError as error:
+        return _Searched(step, refusal=str(error))
 
 
 def breakdown(step: StepSimulation) -> dict[str, int]:

@@ -18,7 +18,7 @@ FIT = {
 }  # fmt: skip
 
 _SCRIPT = r"""
-import json, subprocess, sys, threading
+import json, os, subprocess, sys, threading
 import torch
 from lit_memtrain.callbacks.planner_process import PlannerProcess
 
@@ -36,21 +36,38 @@ if case == "after_a_backward":  # a notebook's second fit: the forked child cann
     (2 * x).sum().backward()
 if case == "another_thread":
     threading.Thread(target=threading.Event().wait, daemon=True).start()
+if case == "device_registered":  # the planner ran in this process before
+    from lit_memtrain.planner.simulate import stand_in_device
+    stand_in_device()
 planner = PlannerProcess()
 forked = planner.forked
-timeout = 0.001 if case == "timeout" else 300
+arguments = ["--fit-config", fit, "--json", "--gpu-memory", "0.06"]
+if case == "inherited":  # a rank forked by its launcher after the callback was made: it plans in a new interpreter
+    rank = os.fork()
+    if rank == 0:
+        result = planner.run(arguments, timeout=300)
+        with open(fit + ".rank", "w") as file:
+            json.dump({"new_interpreters": len(new_interpreters), "plan": json.loads(result.stdout)}, file)
+        os._exit(0)
+    os.waitpid(rank, 0)
 try:
-    result = planner.run(["--fit-config", fit, "--json", "--gpu-memory", "0.06"], timeout=timeout)
+    result = planner.run(arguments, timeout=0.001 if case == "timeout" else 300)
 except subprocess.TimeoutExpired:
     result = None
+try:
+    os.waitpid(-1, os.WNOHANG)
+    children_left = True
+except ChildProcessError:
+    children_left = False
 print(json.dumps({
     "forked": forked, "new_interpreters": len(new_interpreters), "timed_out": result is None,
     "plan": json.loads(result.stdout) if result is not None and result.returncode == 0 else None,
-    "stderr": "" if result is None else result.stderr[-2000:],
+    "stderr": "" if result is None else result.stderr[-2000:], "children_left": children_left,
+    "rank": json.load(open(fit + ".rank")) if case == "inherited" else None,
 }))
 """
 
-CASES = ("clean", "after_a_backward", "another_thread", "timeout")
+CASES = ("clean", "after_a_backward", "another_thread", "device_registered", "inherited", "timeout")
 
 
 def _fit_file(python) -> str:
@@ -84,12 +101,24 @@ def test_a_clean_process_plans_in_a_forked_child_without_a_new_interpreter(outco
 
 def test_where_the_fork_cannot_plan_a_new_interpreter_gives_the_same_plan(outcomes):
     clean = outcomes["clean"]["plan"]
-    after_a_backward, another_thread = outcomes["after_a_backward"], outcomes["another_thread"]
+    after_a_backward = outcomes["after_a_backward"]
     assert after_a_backward["forked"] and after_a_backward["new_interpreters"] == 1  # forked, then fell back
-    assert not another_thread["forked"] and another_thread["new_interpreters"] == 1  # not forked at all
-    for outcome in (after_a_backward, another_thread):
-        assert outcome["plan"] == clean, outcome["stderr"]
+    for case in ("another_thread", "device_registered"):
+        assert not outcomes[case]["forked"] and outcomes[case]["new_interpreters"] == 1, case  # not forked at all
+    for case in ("after_a_backward", "another_thread", "device_registered"):
+        assert outcomes[case]["plan"] == clean, outcomes[case]["stderr"]
+    assert not any(outcome["children_left"] for outcome in outcomes.values())
+
+
+def test_a_process_forked_after_the_planner_plans_in_a_new_interpreter_and_leaves_the_child_alone(outcomes):
+    """A rank of a forking launcher (``ddp_fork``) holds a copy of rank 0's planner: the child is not its own."""
+    inherited = outcomes["inherited"]
+    assert inherited["rank"]["new_interpreters"] == 1 and inherited["rank"]["plan"] == outcomes["clean"]["plan"]
+    # The process that made it still plans in its forked child, which the rank left intact.
+    assert inherited["forked"] and inherited["new_interpreters"] == 0
+    assert inherited["plan"] == outcomes["clean"]["plan"], inherited["stderr"]
 
 
 def test_a_plan_past_its_timeout_is_killed_and_raises(outcomes):
-    assert outcomes["timeout"]["timed_out"] and outcomes["timeout"]["forked"]
+    timeout = outcomes["timeout"]
+    assert timeout["timed_out"] and timeout["forked"] and not timeout["children_left"]

@@ -105,14 +105,30 @@ def simulate_fit_step(settings, max_length):
     memory = MemoryReport(peak, 0, {"activations": peak}, 2**20, "forward")
     return StepSimulation(memory, max_length, 1, 1, 2, 512, (str(os.getpid()),))
 
-plan.simulate_fit_step = simulate_fit_step
 settings = read_fit_config(json.loads(sys.argv[1]))
 budget = plan.Budget(2**30)
 results = []
+
+# An error in this process while the workers search: they are killed, not waited for (each simulation takes 2 s).
+plan.simulate_fit_step = lambda settings, max_length: time.sleep(2) or simulate_fit_step(settings, max_length)
+start = time.monotonic()
+with contextlib.suppress(KeyError):
+    with plan.Planner(settings, budget).searches_in_parallel(find_max_length=True, compare=True):
+        time.sleep(0.5)
+        raise KeyError("stop")
+stopped_after = time.monotonic() - start
+try:
+    os.waitpid(-1, os.WNOHANG)
+    children_left = True
+except ChildProcessError:
+    children_left = False
+
+plan.simulate_fit_step = simulate_fit_step
 for parallel in (True, False):  # forked workers first: they must start before this process registers its device
     lines = []
     planner = plan.Planner(settings, budget, progress=lines.append)
-    with planner.searches_in_parallel(compare=True) if parallel else contextlib.nullcontext():
+    searching = planner.searches_in_parallel(find_max_length=True, compare=True)
+    with searching if parallel else contextlib.nullcontext():
         stand_in_device()
         rows = planner.comparison()
         configured = planner.simulate()
@@ -125,7 +141,7 @@ for parallel in (True, False):  # forked workers first: they must start before t
         "configured_here": configured.notes == (str(os.getpid()),),
         "lines_here": len(lines),
     })
-print(json.dumps(results))
+print(json.dumps([*results, {"stopped_after": stopped_after, "children_left": children_left}]))
 """
 
 
@@ -134,7 +150,8 @@ def test_searches_in_worker_processes_find_what_one_process_finds(preloaded_pyth
     one is the same code in a forked process."""
     result = preloaded_python.run("-c", _IN_PARALLEL_AND_ONE_BY_ONE, json.dumps([*TINY, "--data.max_length=4096"]))
     assert result.returncode == 0, result.stderr[-3000:]
-    parallel, one_by_one = json.loads(result.stdout.strip().splitlines()[-1])
+    parallel, one_by_one, stopped = json.loads(result.stdout.strip().splitlines()[-1])
+    assert stopped["stopped_after"] < 1.5 and not stopped["children_left"]  # killed mid-simulation, and reaped
     assert parallel["rows"] == one_by_one["rows"] and parallel["search"] == one_by_one["search"]
     assert sum(row[1] is not None for row in parallel["rows"]) >= 6 and parallel["search"][0] > 0
     assert 1 < len(parallel["processes"]) <= len(os.sched_getaffinity(0))  # one worker per core, all used
