@@ -17,6 +17,7 @@ L, H, I, HEADS, HEAD_DIM, LAYERS = 65536, 2560, 9728, 32, 128, 3
 BF16 = 2
 
 _SIMULATIONS = """
+import contextlib
 import json
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -24,6 +25,7 @@ from lit_memtrain.techniques.loss import chunked_cross_entropy, cross_entropy
 from lit_memtrain.planner.simulate import (
     fake_causal_lm, measure_peak, simulate_step, stand_in_device, tiles_simulated_once,
 )
+from lit_memtrain.techniques.rms_norm import chunked_rms_norm
 from lit_memtrain.models.presets import build_config
 from lit_memtrain.techniques.tiled_mlp import apply_tiled_mlp
 
@@ -50,6 +52,15 @@ with FakeTensorMode(allow_non_fake_inputs=True):
     with tiles_simulated_once():
         results["tiled_mlp_once"] = measure_peak(lambda: mlp(x).backward(grad), mlp, x, grad)
     results["tiles_simulated"] = len(calls)
+    norm = model.model.layers[0].input_layernorm
+    rows = torch.empty(1, L, 2560, dtype=torch.bfloat16, device=device, requires_grad=True)
+    # Chunks of 5,000 rows: 14, the last shorter; forward alone, and forward and backward, all chunks against some.
+    norm_forward = lambda: chunked_rms_norm(rows, norm.weight, 1e-6, 2560 * 5000)
+    for name, run in (("norm_forward", norm_forward), ("norm_step", lambda: norm_forward().backward(grad))):
+        for key, selection in ((name, contextlib.nullcontext), (f"{name}_once", tiles_simulated_once)):
+            rows.grad = norm.weight.grad = None  # each run from the same state: no gradient accumulated
+            with selection():
+                results[key] = measure_peak(run, norm, rows, grad)
     gate = torch.empty(L, 9728, dtype=torch.bfloat16, device=device, requires_grad=True)
     grad_gate = torch.empty(L, 9728, dtype=torch.bfloat16, device=device)
     results["silu"] = measure_peak(lambda: torch.nn.functional.silu(gate).backward(grad_gate), gate, grad_gate)
@@ -115,6 +126,15 @@ def test_repeated_tiles_are_not_simulated_and_the_peak_is_the_same(simulated):
     again in backward (8 passes through the MLP instead of 52), with exactly the peak of all 26."""
     assert simulated["tiles_simulated"] == 8
     assert simulated["tiled_mlp_once"]["device_peak"] == simulated["tiled_mlp"]["device_peak"]
+
+
+def test_repeated_norm_chunks_are_not_simulated_and_the_peak_is_the_same(simulated):
+    """A chunked RMSNorm over 64k rows in chunks of 5,000: simulated, the first two chunks and the last (shorter)
+    one; forward alone and forward with backward peak at exactly the bytes of all 14, of each kind."""
+    for name in ("norm_forward", "norm_step"):
+        assert simulated[f"{name}_once"] == simulated[name], name
+    chunk_fp32 = 5000 * 2560 * 4
+    assert simulated["norm_step"]["device_peak"] > 2 * L * 2560 * 2 + chunk_fp32  # input, output, a chunk in fp32
 
 
 def test_silu_backward_is_one_operator_as_on_cuda(simulated):
