@@ -47,6 +47,8 @@ _PREPARED = ("lit_memtrain.planner.fit_config", "lit_memtrain.planner.plan", "li
 _CANNOT_SIMULATE_HERE = 3  # the forked child's exit status when the stand-in device cannot be registered in it
 _REFUSED = 2  # the planner's exit status for a configuration it cannot plan (the reason on stderr)
 _POLL_S = 0.02
+_READY = "ready"  # the file the forked child makes once it waits for its arguments
+_READY_S = 30.0  # how long after being asked a forked child may take to get there (it needs well under a second)
 
 
 @dataclass
@@ -145,7 +147,7 @@ class PlannerProcess:
         finally:
             os.close(descriptor)
         pid, children.forked = children.forked, None
-        status = _wait(pid, timeout)
+        status = _wait(pid, timeout, Path(children.output, _READY))
         stdout, stderr = (Path(children.output, name).read_text() for name in ("stdout", "stderr"))
         return subprocess.CompletedProcess([sys.executable, "-m", _COMMAND], status, stdout, stderr)
 
@@ -182,6 +184,7 @@ def _plan_when_asked(arguments: int, output: str) -> int:
     command = importlib.import_module(_COMMAND)
     for name in _PREPARED:
         importlib.import_module(name)
+    Path(output, _READY).touch()
     with os.fdopen(arguments) as pipe:
         line = pipe.readline()
     return command.main(json.loads(line)) if line.strip() else 0
@@ -196,16 +199,22 @@ def _fresh_interpreter() -> subprocess.Popen:
     )  # fmt: skip
 
 
-def _wait(pid: int, timeout: float) -> int:
-    deadline = time.monotonic() + timeout
+def _wait(pid: int, timeout: float, ready: Path) -> int:
+    """The forked child's exit status, once it exits; killed after ``timeout`` seconds (``TimeoutExpired``), or
+    after :data:`_READY_S` if it has not got as far as waiting for its arguments by then (stuck on something its
+    fork copied: its status then says it failed, and a new interpreter plans instead)."""
+    start = time.monotonic()
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             return os.waitstatus_to_exitcode(status)
-        if time.monotonic() > deadline:
+        waited = time.monotonic() - start
+        if waited > timeout or (waited > _READY_S and not ready.exists()):
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
-            raise subprocess.TimeoutExpired([sys.executable, "-m", _COMMAND], timeout)
+            if waited > timeout:
+                raise subprocess.TimeoutExpired([sys.executable, "-m", _COMMAND], timeout)
+            return -signal.SIGKILL
         time.sleep(_POLL_S)
 
 

@@ -1,6 +1,7 @@
-"""PlannerProcess, MemoryPlanCheck's child: forked from a process that has run no autograd and started no thread (its
-imports done), a new interpreter otherwise or when the forked child cannot register its device; the same plan each
-way. Each case runs in a process of its own, as a script would (``preloaded_python``)."""
+"""PlannerProcess, MemoryPlanCheck's child: forked from a process that has run no autograd and registered no device
+(its imports done), a new interpreter otherwise, or when the forked child fails or never gets going, or in a process
+forked after it (a launcher's rank); the same plan each way. Each case runs in a process of its own, as a script
+would (``preloaded_python``)."""
 
 from __future__ import annotations
 
@@ -34,11 +35,14 @@ case, fit = sys.argv[1:]
 if case == "after_a_backward":  # a notebook's second fit: the forked child cannot register its device
     x = torch.ones(2, requires_grad=True)
     (2 * x).sum().backward()
-if case == "another_thread":
-    threading.Thread(target=threading.Event().wait, daemon=True).start()
 if case == "device_registered":  # the planner ran in this process before
     from lit_memtrain.planner.simulate import stand_in_device
     stand_in_device()
+if case == "stuck":  # a forked child that never gets to wait for its arguments (a lock its fork copied, held)
+    import types
+    import lit_memtrain.callbacks.planner_process as planner_process
+    planner_process._READY_S = 1.0
+    planner_process.importlib = types.SimpleNamespace(import_module=lambda name: threading.Event().wait())
 planner = PlannerProcess()
 forked = planner.forked
 arguments = ["--fit-config", fit, "--json", "--gpu-memory", "0.06"]
@@ -67,7 +71,7 @@ print(json.dumps({
 }))
 """
 
-CASES = ("clean", "after_a_backward", "another_thread", "device_registered", "inherited", "timeout")
+CASES = ("clean", "after_a_backward", "device_registered", "inherited", "stuck", "timeout")
 
 
 def _fit_file(python) -> str:
@@ -101,11 +105,11 @@ def test_a_clean_process_plans_in_a_forked_child_without_a_new_interpreter(outco
 
 def test_where_the_fork_cannot_plan_a_new_interpreter_gives_the_same_plan(outcomes):
     clean = outcomes["clean"]["plan"]
-    after_a_backward = outcomes["after_a_backward"]
-    assert after_a_backward["forked"] and after_a_backward["new_interpreters"] == 1  # forked, then fell back
-    for case in ("another_thread", "device_registered"):
-        assert not outcomes[case]["forked"] and outcomes[case]["new_interpreters"] == 1, case  # not forked at all
-    for case in ("after_a_backward", "another_thread", "device_registered"):
+    for case in ("after_a_backward", "stuck"):  # forked, then it failed or never got going: a new interpreter
+        assert outcomes[case]["forked"] and outcomes[case]["new_interpreters"] == 1, case
+    registered = outcomes["device_registered"]
+    assert not registered["forked"] and registered["new_interpreters"] == 1  # not forked at all
+    for case in ("after_a_backward", "stuck", "device_registered"):
         assert outcomes[case]["plan"] == clean, outcomes[case]["stderr"]
     assert not any(outcome["children_left"] for outcome in outcomes.values())
 
