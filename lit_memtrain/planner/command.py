@@ -19,6 +19,8 @@ while the fit is still setting up (an empty line, or the end of the input, ends 
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import json
 import sys
 import warnings
@@ -71,6 +73,7 @@ def main(
     :func:`lit_memtrain.cli.plan.read_fit_config`); without it only ``--fit-config`` is accepted.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
+    _leave_objects_to_the_os_at_exit()
     parser = _parser()
     if any(arg in ("-h", "--help") for arg in argv):
         parser.print_help()
@@ -83,6 +86,17 @@ def main(
         return 2
     print(json.dumps(report.to_json(), indent=2) if options.json else report.to_text())
     return 0
+
+
+def _leave_objects_to_the_os_at_exit() -> None:
+    """Freeze every object when the interpreter exits (``gc.freeze``), so its last collection skips them.
+
+    Why: that collection walks every object torch, transformers and Lightning made, 0.9 s of CPU on a 2-core
+    machine, a tenth of a plan; by then the plan is printed and its files are closed, and the OS takes the memory
+    back whole. Once per process, however many plans ran in it.
+    """
+    atexit.unregister(gc.freeze)
+    atexit.register(gc.freeze)
 
 
 def _plan(

@@ -26,15 +26,14 @@ How, and what it assumes:
   fused kernel on CUDA, five element-wise ops with their intermediates in the fallback) are given a kernel
   on the stand-in device too, so they run as one operator, as on CUDA, instead of as their fallback's steps
   (that fallback adds three ``L x I`` bf16 tensors to each MLP backward: 5 GiB for Qwen3-4B at 96k tokens).
-- A tiled MLP's tiles from the third on repeat the third exactly: the same sizes, and the same state carried
-  in from the tile before (the first tile's gradients become the accumulators, the second adds into them, and
-  from the third on each tile still holds the previous tile's gradients while computing its own). So only the
-  first three tiles and the last (possibly shorter) are simulated: the peak is exactly that of all tiles, at a
-  small fraction of the operations (a 36-layer model at 1M tokens runs ~9,000 tiles otherwise, most of a
-  simulation's time). The chunks of the chunked RMSNorm (:mod:`lit_memtrain.techniques.rms_norm`) likewise, from the
-  second on: the output and the weight's fp32 gradient exist before the first chunk of backward, forward's output
-  is made during its first chunk, and from the second on each chunk holds the previous chunk's temporaries (still
-  bound to the loop's names) while making its own; so the first two and the last are simulated.
+- A tiled MLP's tiles from the second on repeat the second exactly: the same sizes, and the same state carried
+  in from the tile before (the first tile's gradients become the sums, every later one adds into them; each tile
+  frees what it made before the next). So only the first two tiles and the last (possibly shorter) are simulated:
+  the peak is exactly that of all tiles, at a small fraction of the operations (a 36-layer model at 1M tokens runs
+  ~9,000 tiles otherwise, most of a simulation's time). The chunks of the chunked RMSNorm
+  (:mod:`lit_memtrain.techniques.rms_norm`) and of the chunked loss repeat the first: their outputs and gradients
+  exist before the first chunk, and each chunk frees its temporaries before the next; so the first and the last
+  are simulated.
 - Params, gradients and AdamW state are all in ``dtype`` (bf16 by default, as Lightning's
   ``precision="bf16-true"``); the optimizer state exists before the step, as in every step after the
   first. AdamW runs with ``foreach=True`` (PyTorch's default on CUDA).
@@ -372,23 +371,23 @@ def step_phases(model: torch.nn.Module, tracker: MemoryTracker) -> Iterator[None
 
 @contextlib.contextmanager
 def tiles_simulated_once() -> Iterator[None]:
-    """Run only the first three tiles and the last of each tiled MLP and chunked loss, and the first two chunks and
-    the last of each chunked RMSNorm (see the module docstring for why the peak is exact). For fake tensors only: on
-    real ones the other tiles' outputs would be left empty."""
+    """Run only the first two tiles and the last of each tiled MLP, and the first chunk and the last of each chunked
+    RMSNorm and chunked loss (see the module docstring for why the peak is exact). For fake tensors only: on real
+    ones the other tiles' outputs would be left empty."""
     with (
-        selected_tiles(_first_three_and_last),
-        selected_chunks(_first_two_and_last),
-        selected_loss_chunks(_first_three_and_last),
+        selected_tiles(_first_two_and_last),
+        selected_chunks(_first_and_last),
+        selected_loss_chunks(_first_and_last),
     ):
         yield
 
 
-def _first_three_and_last(bounds: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    return bounds if len(bounds) <= 4 else [*bounds[:3], bounds[-1]]
-
-
 def _first_two_and_last(bounds: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return bounds if len(bounds) <= 3 else [*bounds[:2], bounds[-1]]
+
+
+def _first_and_last(bounds: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    return bounds if len(bounds) <= 2 else [bounds[0], bounds[-1]]
 
 
 @contextlib.contextmanager

@@ -40,9 +40,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 __all__ = ["KINDS", "MemoryTracker", "Segment"]
+
+_DEVICE_QUERY = torch.ops.prim.device.default
 
 KINDS = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "temporaries", "other")
 
@@ -268,6 +271,11 @@ class MemoryTracker(TorchDispatchMode):
         return on_free
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is _DEVICE_QUERY and type(args[0]) is FakeTensor:
+            # C++ code asks a fake tensor its device many times an operator (half the calls of a simulated step);
+            # answered here as FakeTensor answers it outside its kernels (the mode never sees those), without a
+            # second trip through the dispatcher, and nothing is allocated.
+            return args[0].fake_device
         if func is torch.ops.aten.nonzero.default:
             (mask,) = args
             out = torch.empty((mask.numel(), mask.dim()), dtype=torch.long, device=mask.device)

@@ -52,9 +52,9 @@ def selected_loss_chunks(select: Callable[[Bounds], Bounds]) -> contextlib.Abstr
     """Run only the chunks ``select`` keeps of each chunked loss's ``[start, end)`` row bounds, while the context is
     open.
 
-    For simulating memory on fake tensors (:func:`lit_memtrain.planner.simulate.tiles_simulated_once`): every chunk
-    after the first allocates and frees the same tensors while the previous chunk's last ones are still bound, so the
-    first three and the last give the peak of all. On real tensors the chunks left out are missing from the loss and
+    For simulating memory on fake tensors (:func:`lit_memtrain.planner.simulate.tiles_simulated_once`): each chunk
+    frees what it allocated before the next, and the gradients it adds into exist before the first, so every chunk
+    holds what the first holds but a shorter last one: the first and the last give the peak of all. On real tensors the chunks left out are missing from the loss and
     the gradients: never train inside this context.
     """
     return _selection.only(select)
@@ -147,20 +147,17 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if needs_bias else None
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start, end in _chunk_bounds(kept_rows.shape[0], chunk_size):
-            rows = kept_rows[start:end]
-            chunk_targets = kept_targets[start:end]
-            hidden_rows = hidden.index_select(0, rows)
-            logits = chunk_logits(hidden_rows, weight, bias, softcap, scale)
-            lse = torch.logsumexp(logits, dim=1)
-            loss_sum += (lse - logits.gather(1, chunk_targets.unsqueeze(1)).squeeze(1)).sum()
-            if not any(needs_grad):
-                continue
-            grad_logits = torch.exp(logits - lse.unsqueeze(1))
-            grad_logits[torch.arange(rows.shape[0], device=rows.device), chunk_targets] -= 1
-            linear_output_grad(grad_logits, logits, softcap, scale, grad_bias)
-            del logits
-            grad_logits = grad_logits.to(hidden.dtype)
-            accumulate_linear_grads(grad_logits, rows, hidden_rows, weight, grad_hidden, grad_weight)
+            loss_sum += _loss_and_grads_of_chunk(
+                hidden,
+                weight,
+                bias,
+                kept_rows[start:end],
+                kept_targets[start:end],
+                softcap,
+                scale,
+                any(needs_grad),
+                (grad_hidden, grad_weight, grad_bias),
+            )
         # Held on ctx, not saved for backward: they are results, not inputs, and backward takes them over.
         ctx.gradients = (
             grad_hidden,
@@ -184,6 +181,39 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
         gradients, ctx.gradients = ctx.gradients, None
         scaled = tuple(None if grad is None else grad.mul_(grad_output) for grad in gradients)
         return (*scaled, None, None, None, None, None, None)
+
+
+def _loss_and_grads_of_chunk(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    rows: Tensor,
+    targets: Tensor,
+    softcap: float | None,
+    scale: float,
+    needs_grad: bool,
+    grads: tuple[Tensor | None, Tensor | None, Tensor | None],
+) -> Tensor:
+    """The summed loss of the tokens ``rows`` of ``hidden``; with ``needs_grad``, their gradients are added into
+    ``grads`` (of hidden, weight, bias).
+
+    A function of its own so that the chunk's logits and their gradient are freed when it returns: the loop's names
+    would hold a chunk's ``[tokens, vocab]`` gradient while the next chunk computes its logits.
+    """
+    grad_hidden, grad_weight, grad_bias = grads
+    hidden_rows = hidden.index_select(0, rows)
+    logits = chunk_logits(hidden_rows, weight, bias, softcap, scale)
+    lse = torch.logsumexp(logits, dim=1)
+    loss = (lse - logits.gather(1, targets.unsqueeze(1)).squeeze(1)).sum()
+    if not needs_grad:
+        return loss
+    grad_logits = torch.exp(logits - lse.unsqueeze(1))
+    grad_logits[torch.arange(rows.shape[0], device=rows.device), targets] -= 1
+    linear_output_grad(grad_logits, logits, softcap, scale, grad_bias)
+    del logits
+    grad_logits = grad_logits.to(hidden.dtype)
+    accumulate_linear_grads(grad_logits, rows, hidden_rows, weight, grad_hidden, grad_weight)
+    return loss
 
 
 def chunked_cross_entropy(

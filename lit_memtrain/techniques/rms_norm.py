@@ -59,8 +59,9 @@ def selected_chunks(select: Callable[[Bounds], Bounds]) -> contextlib.AbstractCo
     while the context is open.
 
     For simulating memory on fake tensors (what :func:`lit_memtrain.planner.simulate.tiles_simulated_once` does):
-    each chunk frees its temporaries before the next, and the output and the weight's fp32 gradient exist before the
-    first, so the first three chunks and the last give the peak of all. On real tensors the chunks left out leave
+    each chunk frees its temporaries before the next, and the output, ``rstd`` and the gradients exist before the
+    first, so every chunk holds what the first holds but a shorter last one: the first and the last give the peak of
+    all. On real tensors the chunks left out leave
     their rows of the output and of the gradients unwritten: never train inside this context.
     """
     return _selection.only(select)
@@ -80,18 +81,14 @@ class _ChunkedRMSNorm(torch.autograd.Function):
         rows = x.detach().reshape(-1, hidden)
         rows_per_chunk = max(1, chunk_elements // hidden)
         rstd = torch.empty(rows.shape[0], 1, dtype=torch.float32, device=x.device)
-        out: Tensor | None = None
+        # The dtype of `weight * normed.to(x.dtype)`; made before the first chunk, so every chunk runs alike.
+        out = torch.empty(rows.shape[0], hidden, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+        weight_values = weight.detach()
         for start, end in _chunk_bounds(rows.shape[0], rows_per_chunk):
-            chunk = rows[start:end].to(torch.float32)
-            chunk_rstd = torch.rsqrt(chunk.pow(2).mean(-1, keepdim=True) + eps)
-            chunk_out = weight.detach() * (chunk * chunk_rstd).to(x.dtype)
-            if out is None:
-                out = chunk_out.new_empty(rows.shape[0], hidden)
-            out[start:end] = chunk_out
-            rstd[start:end] = chunk_rstd
+            _forward_chunk(rows[start:end], weight_values, eps, out[start:end], rstd[start:end])
         ctx.save_for_backward(x, weight, rstd)
         ctx.rows_per_chunk = rows_per_chunk
-        return out.view(shape)  # type: ignore[union-attr]
+        return out.view(shape)
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
@@ -101,19 +98,45 @@ class _ChunkedRMSNorm(torch.autograd.Function):
         grad_x = torch.empty_like(rows) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(hidden, dtype=torch.float32, device=x.device) if ctx.needs_input_grad[1] else None
         for start, end in _chunk_bounds(rows.shape[0], ctx.rows_per_chunk):
-            chunk, grad, chunk_rstd = rows[start:end].to(torch.float32), grads[start:end], rstd[start:end]
-            normed = chunk * chunk_rstd
-            if grad_weight is not None:
-                grad_weight += (grad.to(torch.float32) * normed.to(x.dtype).to(torch.float32)).sum(0)
-            if grad_x is not None:
-                # autograd's chain through `weight * normed.to(dtype)`: the product in the gradient's dtype,
-                # cast to the input's dtype, then to fp32; then through `chunk * rstd` and rstd = rsqrt(mean(x^2)+eps).
-                grad_normed = (grad * weight).to(x.dtype).to(torch.float32)
-                grad_rstd = (grad_normed * chunk).sum(-1, keepdim=True)
-                grad_mean_square = grad_rstd * -0.5 * chunk_rstd.pow(3) / hidden
-                grad_x[start:end] = grad_normed * chunk_rstd + grad_mean_square * 2.0 * chunk
+            _backward_chunk(
+                rows[start:end],
+                grads[start:end],
+                weight,
+                rstd[start:end],
+                grad_weight,
+                None if grad_x is None else grad_x[start:end],
+            )
         grad_x_out = grad_x.view(x.shape) if grad_x is not None else None
         return grad_x_out, grad_weight.to(weight.dtype) if grad_weight is not None else None, None, None
+
+
+# One chunk a call: its fp32 temporaries are freed when the call returns, not held by a loop's names while the next
+# chunk makes its own. So every chunk but a shorter last one holds the same tensors (what the planner relies on).
+
+
+def _forward_chunk(rows: Tensor, weight: Tensor, eps: float, out: Tensor, rstd: Tensor) -> None:
+    """Write the norm of ``rows`` into ``out`` and their ``rsqrt(mean(x^2) + eps)`` into ``rstd``."""
+    chunk = rows.to(torch.float32)
+    chunk_rstd = torch.rsqrt(chunk.pow(2).mean(-1, keepdim=True) + eps)
+    out.copy_(weight * (chunk * chunk_rstd).to(rows.dtype))
+    rstd.copy_(chunk_rstd)
+
+
+def _backward_chunk(
+    rows: Tensor, grad: Tensor, weight: Tensor, rstd: Tensor, grad_weight: Tensor | None, grad_x: Tensor | None
+) -> None:
+    """Add the weight's gradient over ``rows`` into ``grad_weight`` (fp32) and write their gradient into ``grad_x``."""
+    chunk = rows.to(torch.float32)
+    normed = chunk * rstd
+    if grad_weight is not None:
+        grad_weight += (grad.to(torch.float32) * normed.to(rows.dtype).to(torch.float32)).sum(0)
+    if grad_x is not None:
+        # autograd's chain through `weight * normed.to(dtype)`: the product in the gradient's dtype, cast to the
+        # input's dtype, then to fp32; then through `chunk * rstd` and rstd = rsqrt(mean(x^2) + eps).
+        grad_normed = (grad * weight).to(rows.dtype).to(torch.float32)
+        grad_rstd = (grad_normed * chunk).sum(-1, keepdim=True)
+        grad_mean_square = grad_rstd * -0.5 * rstd.pow(3) / rows.shape[-1]
+        grad_x.copy_(grad_normed * rstd + grad_mean_square * 2.0 * chunk)
 
 
 def chunked_rms_norm(x: Tensor, weight: Tensor, eps: float, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> Tensor:

@@ -28,7 +28,7 @@ parameters are collected at each call from ``mlp.parameters()`` (those requiring
 inside the MLP and FSDP2's unsharded parameters are included.
 
 :func:`selected_tiles` runs only some of the tiles: the memory planner's hook (:mod:`lit_memtrain.planner.simulate`),
-whose fake tensors repeat from the third tile on, so a few tiles give the peak of all.
+whose fake tensors repeat from the second tile on, so a few tiles give the peak of all.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def selected_tiles(select: Callable[[Bounds], Bounds]) -> contextlib.AbstractCon
     """Run only the tiles ``select`` keeps of each tiled call's ``[start, end)`` bounds, while the context is open.
 
     For simulating memory on fake tensors (what :func:`lit_memtrain.planner.simulate.tiles_simulated_once` does):
-    from the third tile on each tile holds the same tensors as the third, so the first three and the last give the
+    from the second tile on each tile holds the same tensors as the second, so the first two and the last give the
     peak of all at a fraction of the operations. On real tensors the tiles left out leave their part of the output
     and of the input's gradient unwritten: never train inside this context.
 
@@ -115,6 +115,7 @@ class _TiledFunction(torch.autograd.Function):
                 shape[dim] = length
                 out = tile_out.new_empty(shape)
             out.narrow(dim, start, end - start).copy_(tile_out)
+            del tile_out  # not held while the next tile computes
         ctx.forward, ctx.bounds, ctx.dim, ctx.num_inputs = forward, bounds, dim, num_inputs
         ctx.save_for_backward(*inputs, *params)
         return out
@@ -126,34 +127,55 @@ class _TiledFunction(torch.autograd.Function):
         needs = ctx.needs_input_grad[4 : 4 + ctx.num_inputs]
         grad_inputs = [torch.zeros_like(t) if need else None for t, need in zip(inputs, needs)]
         grad_params: list[Tensor | None] = [None] * len(params)
-        device, dim = inputs[0].device, ctx.dim
+        device = inputs[0].device
         cpu_state, cuda_state = ctx.rng_states
         with torch.random.fork_rng(devices=[device] if cuda_state is not None else []):
             torch.set_rng_state(cpu_state)
             if cuda_state is not None:
                 torch.cuda.set_rng_state(cuda_state, device)
             for start, end in ctx.bounds:
-                tiles = [t.narrow(dim, start, end - start).detach().requires_grad_(n) for t, n in zip(inputs, needs)]
-                autocast = torch.autocast(*ctx.autocast) if ctx.autocast else contextlib.nullcontext()
-                with torch.enable_grad(), autocast:
-                    tile_out = ctx.forward(*tiles)
-                wanted = [tile for tile, need in zip(tiles, needs) if need]
-                grads = torch.autograd.grad(
-                    tile_out, [*wanted, *params], grad_out.narrow(dim, start, end - start), allow_unused=True
-                )
-                input_grads = iter(grads[: len(wanted)])
-                for index, need in enumerate(needs):
-                    grad = next(input_grads) if need else None
-                    if grad is not None:
-                        grad_inputs[index].narrow(dim, start, end - start).copy_(grad)
-                for index, grad in enumerate(grads[len(wanted) :]):
-                    if grad is None:
-                        continue
-                    if grad_params[index] is None:
-                        grad_params[index] = grad
-                    else:
-                        grad_params[index] += grad
+                _backward_tile(ctx, inputs, params, needs, grad_out, start, end, grad_inputs, grad_params)
         return None, None, None, None, *grad_inputs, *grad_params
+
+
+def _backward_tile(
+    ctx: Any,
+    inputs: tuple[Tensor, ...],
+    params: tuple[Tensor, ...],
+    needs: tuple[bool, ...],
+    grad_out: Tensor,
+    start: int,
+    end: int,
+    grad_inputs: list[Tensor | None],
+    grad_params: list[Tensor | None],
+) -> None:
+    """Recompute the tile ``[start, end)`` with autograd and add its gradients into ``grad_inputs`` (written in
+    place) and ``grad_params`` (the first tile's gradients become the sums).
+
+    A function of its own so that the tile's recomputed tensors and gradients are freed when it returns, before the
+    next tile: the loop's names would hold them (a tile's parameter gradients: three ``H x I`` matrices) while the
+    next tile computes its own.
+    """
+    dim = ctx.dim
+    tiles = [t.narrow(dim, start, end - start).detach().requires_grad_(n) for t, n in zip(inputs, needs)]
+    autocast = torch.autocast(*ctx.autocast) if ctx.autocast else contextlib.nullcontext()
+    with torch.enable_grad(), autocast:
+        tile_out = ctx.forward(*tiles)
+    wanted = [tile for tile, need in zip(tiles, needs) if need]
+    tile_grad_out = grad_out.narrow(dim, start, end - start)
+    grads = torch.autograd.grad(tile_out, [*wanted, *params], tile_grad_out, allow_unused=True)
+    input_grads = iter(grads[: len(wanted)])
+    for index, need in enumerate(needs):
+        grad = next(input_grads) if need else None
+        if grad is not None:
+            grad_inputs[index].narrow(dim, start, end - start).copy_(grad)
+    for index, grad in enumerate(grads[len(wanted) :]):
+        if grad is None:
+            continue
+        if grad_params[index] is None:
+            grad_params[index] = grad
+        else:
+            grad_params[index] += grad
 
 
 def _trainable(module: nn.Module) -> list[Tensor]:

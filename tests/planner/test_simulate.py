@@ -15,6 +15,7 @@ from lit_memtrain.planner.simulate import simulate_step
 
 L, H, I, HEADS, HEAD_DIM, LAYERS = 65536, 2560, 9728, 32, 128, 3
 BF16 = 2
+VOCAB = 151936
 
 _SIMULATIONS = """
 import contextlib
@@ -42,6 +43,14 @@ with FakeTensorMode(allow_non_fake_inputs=True):
     results["chunked_loss"] = measure_peak(
         lambda: chunked_cross_entropy(hidden, head.weight, targets).backward(), head, hidden, targets
     )
+    # Chunks of 9,000 rows, whose logits outweigh the head's gradients: 8, the last shorter; all against some.
+    for key, selection in (("loss_chunks", contextlib.nullcontext), ("loss_chunks_once", tiles_simulated_once)):
+        hidden.grad = head.weight.grad = None
+        with selection():
+            results[key] = measure_peak(
+                lambda: chunked_cross_entropy(hidden, head.weight, targets, chunk_size=9000).backward(),
+                head, hidden, targets,
+            )
     x = torch.empty(1, L, 2560, dtype=torch.bfloat16, device=device, requires_grad=True)
     grad = torch.empty(1, L, 2560, dtype=torch.bfloat16, device=device)
     results["plain_mlp"] = measure_peak(lambda: mlp(x).backward(grad), mlp, x, grad)
@@ -122,19 +131,28 @@ def test_tiled_mlp_cuts_the_mlp_transient_8x(simulated):
 
 
 def test_repeated_tiles_are_not_simulated_and_the_peak_is_the_same(simulated):
-    """64k tokens in tiles of about 2,560: 26 tiles; simulated: the first three and the last, in forward and
-    again in backward (8 passes through the MLP instead of 52), with exactly the peak of all 26."""
-    assert simulated["tiles_simulated"] == 8
+    """64k tokens in tiles of about 2,560: 26 tiles; simulated: the first two and the last, in forward and
+    again in backward (6 passes through the MLP instead of 52), with exactly the peak of all 26."""
+    assert simulated["tiles_simulated"] == 6
     assert simulated["tiled_mlp_once"]["device_peak"] == simulated["tiled_mlp"]["device_peak"]
 
 
 def test_repeated_norm_chunks_are_not_simulated_and_the_peak_is_the_same(simulated):
-    """A chunked RMSNorm over 64k rows in chunks of 5,000: simulated, the first two chunks and the last (shorter)
-    one; forward alone and forward with backward peak at exactly the bytes of all 14, of each kind."""
+    """A chunked RMSNorm over 64k rows in chunks of 5,000: simulated, the first chunk and the last (shorter) one;
+    forward alone and forward with backward peak at exactly the bytes of all 14, of each kind."""
     for name in ("norm_forward", "norm_step"):
         assert simulated[f"{name}_once"] == simulated[name], name
     chunk_fp32 = 5000 * 2560 * 4
     assert simulated["norm_step"]["device_peak"] > 2 * L * 2560 * 2 + chunk_fp32  # input, output, a chunk in fp32
+
+
+def test_repeated_loss_chunks_are_not_simulated_and_the_peak_is_the_same(simulated):
+    """The chunked loss over 64k tokens in chunks of 9,000 rows: simulated, the first chunk and the last (shorter)
+    one; the peak of the loss with its backward is exactly that of all 8 chunks, of each kind, and it is in a chunk
+    (above the head's fp32 and bf16 gradients and the logits of one chunk in fp32)."""
+    assert simulated["loss_chunks_once"] == simulated["loss_chunks"]
+    chunk_logits = 9000 * VOCAB * 4
+    assert _above_fixed(simulated["loss_chunks"]) > VOCAB * H * (4 + 2) + chunk_logits
 
 
 def test_silu_backward_is_one_operator_as_on_cuda(simulated):
