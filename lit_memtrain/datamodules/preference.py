@@ -22,8 +22,9 @@ is): the module computes them in one pass before training (:meth:`reference_data
 (:meth:`set_reference_logps`); the data code itself knows no model.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: with every annotation a string, jsonargparse evaluates those of
+# `PreferenceDataModule.__init__` by running this module's TYPE_CHECKING block, which imports datasets and
+# pandas (0.4 s of every `lit-memtrain plan`, which reads no data). `Dataset` is quoted where it annotates.
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -182,7 +183,7 @@ class PreferenceDataModule(TokenizedSplitsDataModule):
             dataset, self.dataset_config, self.data_files, self.split, self.val_split, val_split_label="Split"
         )
 
-    def _tokenize(self, data: Dataset, raw: RawData, split: str, name: str) -> Dataset:
+    def _tokenize(self, data: "Dataset", raw: RawData, split: str, name: str) -> "Dataset":
         """Tokenize and truncate a split, drop the pairs that do not fit ``max_length`` (:attr:`dropped_pairs`);
         count and log."""
         cut_at = self.max_length if self.long_pairs == "truncate" else None
@@ -213,7 +214,9 @@ class PreferenceDataModule(TokenizedSplitsDataModule):
             tokenized = tokenized.select(np.flatnonzero(fits))
         return tokenized.select_columns(_TOKENIZED_COLUMNS + kept_columns)
 
-    def _tokenize_pairs(self, data: Dataset, raw: RawData, split: str, name: str, max_length: int | None) -> Dataset:
+    def _tokenize_pairs(
+        self, data: "Dataset", raw: RawData, split: str, name: str, max_length: int | None
+    ) -> "Dataset":
         """Tokenize a split's pairs (prompts cut to ``max_prompt_length``, sequences to ``max_length``), keeping
         ``num_tokens`` and any reference columns; a pair whose prompt fills ``max_length`` has empty completions."""
         columns = list(data.column_names)

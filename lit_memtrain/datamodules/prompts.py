@@ -9,8 +9,9 @@ Prompts longer than ``max_prompt_length`` are cut (their last tokens kept by def
 and the count logged per split: never silently.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: with every annotation a string, jsonargparse evaluates those of
+# `PromptDataModule.__init__` by running this module's TYPE_CHECKING block, which imports datasets and
+# pandas (0.4 s of every `lit-memtrain plan`, which reads no data). `Dataset` is quoted where it annotates.
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -155,7 +156,7 @@ class PromptDataModule(TokenizedSplitsDataModule):
             dataset, self.dataset_config, self.data_files, self.split, self.val_split, val_split_label="Split"
         )
 
-    def _tokenize(self, data: Dataset, raw: RawData, split: str, name: str) -> Dataset:
+    def _tokenize(self, data: "Dataset", raw: RawData, split: str, name: str) -> "Dataset":
         """Tokenize and cut a split's prompts; count and log them."""
         try:
             columns = detect_prompt_format(list(data.column_names))

@@ -14,8 +14,9 @@ example keeps its first ``max_length`` tokens; ``bfd_split`` and ``wrapped`` see
 every token. What was kept, truncated and dropped is logged per split (``token_counts``).
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: with every annotation a string, jsonargparse evaluates those of
+# `SFTDataModule.__init__` by running this module's TYPE_CHECKING block, which imports datasets and pandas (0.4 s of
+# every `lit-memtrain plan`, which reads no data). The names of that block are quoted where they annotate.
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -61,7 +62,7 @@ class WindowTokenizer:
     assistant_only_loss: bool
     locator: RowLocator
 
-    def __call__(self, rows: dict[str, list], first_index: int) -> TokenizedWindow:
+    def __call__(self, rows: dict[str, list], first_index: int) -> "TokenizedWindow":
         import pyarrow as pa
 
         from lit_memtrain.datamodules.streaming import TokenizedWindow
@@ -260,7 +261,7 @@ class SFTDataModule(ResumableDataModule):
             "assistant_only_loss": self.assistant_only_loss,
         }
 
-    def _tokenize(self, data: Dataset, raw: RawData, split: str, name: str, max_length: int | None) -> Dataset:
+    def _tokenize(self, data: "Dataset", raw: RawData, split: str, name: str, max_length: int | None) -> "Dataset":
         """Tokenize an in-memory split, drop examples with nothing to train, count and log the tokens."""
         from lit_memtrain.datamodules.arrow_lists import list_lengths
 
@@ -304,7 +305,7 @@ class SFTDataModule(ResumableDataModule):
         rank_zero_info(f"{name}: {counts.describe(self.max_length)}.")
         return tokenized.filter(lambda n: n > 0, input_columns="num_trainable", num_proc=self.num_proc)
 
-    def _prepare(self) -> tuple[Dataset, Dataset | None]:
+    def _prepare(self) -> "tuple[Dataset, Dataset | None]":
         raw, data, val_data = self._load()
         if len(data) == 0:
             raise ValueError(f"The training split {self.split!r}{raw.describe(self.split)} is empty.")
@@ -319,7 +320,7 @@ class SFTDataModule(ResumableDataModule):
             val = self._pack(val) if val is not None else None
         return train, val
 
-    def _pack(self, dataset: Dataset) -> Dataset:
+    def _pack(self, dataset: "Dataset") -> "Dataset":
         """Pack the tokenized split; the result is cached beside the tokenization cache when there is one."""
         import datasets
 
@@ -339,7 +340,9 @@ class SFTDataModule(ResumableDataModule):
 
     # --------------------------------------------------------------------------------------- streaming
 
-    def _stream(self, data: Any, raw: RawData, split: str, name: str, train: bool, whole: bool = False) -> PackedStream:
+    def _stream(
+        self, data: Any, raw: RawData, split: str, name: str, train: bool, whole: bool = False
+    ) -> "PackedStream":
         """A stream of this rank's share of ``data``, tokenized and packed (or truncated) a window at a time;
         ``whole`` yields the tokenized examples uncut and unpacked (for the length profiler)."""
         from datasets.distributed import split_dataset_by_node
@@ -382,7 +385,7 @@ class SFTDataModule(ResumableDataModule):
             files=raw.files.get(split, ()),
         )
 
-    def _prepare_stream(self) -> tuple[PackedStream, PackedStream | None]:
+    def _prepare_stream(self) -> "tuple[PackedStream, PackedStream | None]":
         raw, data, val_data = self._load()
         if self.val_size:
             val_data, data = data.take(int(self.val_size)), data.skip(int(self.val_size))
@@ -431,7 +434,7 @@ class SFTDataModule(ResumableDataModule):
             return PaddingFreeCollator(self.tokenizer.pad_token_id, self.pad_to_multiple_of)
         return PaddedCollator(self.tokenizer.pad_token_id, self.pad_to_multiple_of)
 
-    def _columns(self, dataset: Dataset) -> Dataset:
+    def _columns(self, dataset: "Dataset") -> "Dataset":
         columns = ["input_ids", "labels", "seq_lengths"] if "seq_lengths" in dataset.column_names else ["input_ids", "labels"]
         return dataset.select_columns(columns)
 

@@ -7,8 +7,9 @@ here once: load the splits, refuse an empty training split, tokenize each, hold 
 (:class:`~lit_memtrain.datamodules.sft.SFTDataModule` packs and streams, and keeps its own steps.)
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: with every annotation a string, jsonargparse evaluates those of
+# `TokenizedSplitsDataModule.__init__` by running this module's TYPE_CHECKING block, which imports datasets and
+# pandas (0.4 s of every `lit-memtrain plan`, which reads no data). `Dataset` is quoted where it annotates.
 from abc import abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -39,14 +40,14 @@ class TokenizedSplitsDataModule(ResumableDataModule):
     """
 
     unit: ClassVar[str] = "rows"
-    datasets: dict[str, Dataset]
+    datasets: "dict[str, Dataset]"
 
     @abstractmethod
     def _load(self) -> tuple[RawData, Any, Any]:
         """The raw data, its training split and its validation split (or None)."""
 
     @abstractmethod
-    def _tokenize(self, data: Dataset, raw: RawData, split: str, name: str) -> Dataset:
+    def _tokenize(self, data: "Dataset", raw: RawData, split: str, name: str) -> "Dataset":
         """The split ``split`` of ``raw`` tokenized (``name``: ``"train"`` or ``"validation"``, for the log)."""
 
     @abstractmethod
@@ -54,11 +55,11 @@ class TokenizedSplitsDataModule(ResumableDataModule):
         """What makes a batch of tokenized rows."""
 
     @property
-    def train_dataset(self) -> Dataset | None:
+    def train_dataset(self) -> "Dataset | None":
         return self.datasets.get("train")
 
     @property
-    def val_dataset(self) -> Dataset | None:
+    def val_dataset(self) -> "Dataset | None":
         return self.datasets.get("validation")
 
     def _prepare(self) -> None:

@@ -309,6 +309,8 @@ def test_cli_plans_a_local_config_directory_and_says_what_to_add(preloaded_pytho
 
 def test_planning_a_fit_config_needs_neither_jsonargparse_nor_datasets():
     """What MemoryPlanCheck runs (--fit-config) on a GPU machine, which may lack jsonargparse, datasets and wandb.
+    Then the command line's parser reads the SFT, DPO and GRPO configs without importing datasets (jsonargparse
+    runs the TYPE_CHECKING block of a module whose annotations are strings: half a second of every plan).
     In a fresh ``python``: the preloaded one has imported them."""
     code = (
         "import sys, lit_memtrain.planner.command, lit_memtrain.planner.plan, lit_memtrain.planner.step, "
@@ -317,11 +319,14 @@ def test_planning_a_fit_config_needs_neither_jsonargparse_nor_datasets():
         "settings_from_config({'model': {'preset': 'tiny-qwen3'}, 'trainer': {'strategy': "
         "{'class_path': 'lit_memtrain.strategies.ContextParallelStrategy', 'init_args': {'context_parallel_size': 2}}, "
         "'devices': 2}});"
-        "print(sorted(m for m in ('datasets', 'wandb', 'jsonargparse') if m in sys.modules))"
+        "print(sorted(m for m in ('datasets', 'wandb', 'jsonargparse') if m in sys.modules));"
+        "from lit_memtrain.cli.plan import read_fit_config;"
+        "[read_fit_config(['--config', f'configs/{name}.yaml']) for name in ('plan_qwen3_8b_1m', 'dpo', 'grpo')];"
+        "print('datasets' in sys.modules)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "[]"
+    assert result.stdout.strip().splitlines() == ["[]", "False"]
 
 
 BAD_INPUT = [
