@@ -18,6 +18,7 @@ Run::
 
     python benchmarks/planner_per_rank.py            # the whole table, ~15 s of CPU per row
     python benchmarks/planner_per_rank.py --models qwen3-8b --gpus 4 --methods ulysses
+    python benchmarks/planner_per_rank.py --no-trl --hf-rms-norm   # the rows without ChunkedRMSNorm
 """
 
 from __future__ import annotations
@@ -36,14 +37,14 @@ CHUNKED_RMS_NORM = "lit_memtrain.callbacks.ChunkedRMSNorm"
 SETTINGS = {"every": "every technique", "trl": "TRL's setting", "trl_tiled": "TRL's setting + tiled MLP"}
 
 
-def _settings(model: str, gpus: int, method: str, setting: str):
+def _settings(model: str, gpus: int, method: str, setting: str, hf_rms_norm: bool = False):
     from lit_memtrain.planner.settings import CallbackSpec, PlanSettings, StrategySpec
 
     trl = setting != "every"
     callbacks = [CallbackSpec(CHECKPOINTING, {"offload": True})]
     if setting != "trl":
         callbacks.append(CallbackSpec(TILED_MLP))
-    if setting == "every":
+    if setting == "every" and not hf_rms_norm:
         callbacks.append(CallbackSpec(CHUNKED_RMS_NORM))
     strategy = StrategySpec(
         "ContextParallelStrategy",
@@ -72,6 +73,9 @@ def main() -> None:
     parser.add_argument("--gpus", nargs="+", type=int, default=[2, 4, 8])
     parser.add_argument("--methods", nargs="+", default=["ulysses", "ring"])
     parser.add_argument("--no-trl", action="store_true", help="leave out the rows in TRL's setting")
+    parser.add_argument(
+        "--hf-rms-norm", action="store_true", help="every technique but ChunkedRMSNorm (the table's 'before' column)"
+    )
     args = parser.parse_args()
 
     from lit_memtrain.planner.simulate import stand_in_device
@@ -89,7 +93,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for model, gpus, method, setting in rows:
         start = time.process_time()
-        step = simulate_fit_step(_settings(model, gpus, method, setting))
+        step = simulate_fit_step(_settings(model, gpus, method, setting, args.hf_rms_norm))
         seconds = time.process_time() - start
         memory = step.memory
         peak, host = memory.device_peak / GIB, memory.host_peak / GIB
