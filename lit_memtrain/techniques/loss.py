@@ -147,7 +147,8 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if needs_bias else None
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start, end in _chunk_bounds(kept_rows.shape[0], chunk_size):
-            loss_sum += _loss_and_grads_of_chunk(
+            _add_loss_and_grads_of_chunk(
+                loss_sum,
                 hidden,
                 weight,
                 bias,
@@ -183,7 +184,8 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
         return (*scaled, None, None, None, None, None, None)
 
 
-def _loss_and_grads_of_chunk(
+def _add_loss_and_grads_of_chunk(
+    loss_sum: Tensor,
     hidden: Tensor,
     weight: Tensor,
     bias: Tensor | None,
@@ -193,9 +195,9 @@ def _loss_and_grads_of_chunk(
     scale: float,
     needs_grad: bool,
     grads: tuple[Tensor | None, Tensor | None, Tensor | None],
-) -> Tensor:
-    """The summed loss of the tokens ``rows`` of ``hidden``; with ``needs_grad``, their gradients are added into
-    ``grads`` (of hidden, weight, bias).
+) -> None:
+    """Add the summed loss of the tokens ``rows`` of ``hidden`` into ``loss_sum``; with ``needs_grad``, their
+    gradients into ``grads`` (of hidden, weight, bias).
 
     A function of its own so that the chunk's logits and their gradient are freed when it returns: the loop's names
     would hold a chunk's ``[tokens, vocab]`` gradient while the next chunk computes its logits.
@@ -204,16 +206,15 @@ def _loss_and_grads_of_chunk(
     hidden_rows = hidden.index_select(0, rows)
     logits = chunk_logits(hidden_rows, weight, bias, softcap, scale)
     lse = torch.logsumexp(logits, dim=1)
-    loss = (lse - logits.gather(1, targets.unsqueeze(1)).squeeze(1)).sum()
+    loss_sum += (lse - logits.gather(1, targets.unsqueeze(1)).squeeze(1)).sum()
     if not needs_grad:
-        return loss
+        return
     grad_logits = torch.exp(logits - lse.unsqueeze(1))
     grad_logits[torch.arange(rows.shape[0], device=rows.device), targets] -= 1
     linear_output_grad(grad_logits, logits, softcap, scale, grad_bias)
     del logits
     grad_logits = grad_logits.to(hidden.dtype)
     accumulate_linear_grads(grad_logits, rows, hidden_rows, weight, grad_hidden, grad_weight)
-    return loss
 
 
 def chunked_cross_entropy(
