@@ -8,11 +8,14 @@ restore order) instead of each keeping a copy.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader
 
 from lit_memtrain.datamodules.resumable import ResumableDataLoader, ResumableSampler
+from lit_memtrain.datamodules.validation_shares import UnscoredRepeats, ValidationShares
 
 __all__ = ["ResumableDataModule"]
 
@@ -67,6 +70,28 @@ class ResumableDataModule(LightningDataModule):
             self._train_loader_state = None
         self._train_loader = loader
         return loader
+
+    def validation_loader(
+        self,
+        dataset: Any,
+        batch_size: int,
+        collate_fn: Any,
+        unscored: Callable[[Any], Any],
+        num_workers: int = 0,
+    ) -> DataLoader:
+        """The validation loader of map-style ``dataset``: this data-parallel rank's share of its rows, in order,
+        evened out over the ranks with repeats whose targets ``unscored`` blanks, so that no row is scored twice
+        (:mod:`lit_memtrain.datamodules.validation_shares`)."""
+        rows = UnscoredRepeats(dataset, unscored)
+        replicas, rank = self.data_parallel()
+        return DataLoader(
+            rows,
+            batch_size=batch_size,
+            sampler=ValidationShares(rows, num_replicas=replicas, rank=rank),
+            collate_fn=collate_fn,
+            num_workers=num_workers,
+            persistent_workers=num_workers > 0,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """The training dataloader's position, saved in checkpoints so a resumed run continues mid-epoch."""

@@ -25,6 +25,7 @@ import numpy as np
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
+from lit_memtrain.datamodules.batch import IGNORE_INDEX
 from lit_memtrain.datamodules.collate import PaddedCollator
 from lit_memtrain.datamodules.embedded import EMBEDDED
 from lit_memtrain.datamodules.packing_plan import STRATEGIES
@@ -450,11 +451,11 @@ class SFTDataModule(ResumableDataModule):
             return []
         if self.streaming:
             return DataLoader(self.val_dataset, batch_size=self.val_batch_size, collate_fn=self.collator())
-        return DataLoader(
-            self._columns(self.val_dataset),
-            batch_size=self.val_batch_size,
-            shuffle=False,
-            collate_fn=self.collator(),
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
+        return self.validation_loader(
+            self._columns(self.val_dataset), self.val_batch_size, self.collator(), _unscored, self.num_workers
         )
+
+
+def _unscored(row: dict[str, Any]) -> dict[str, Any]:
+    """A validation row with nothing to score: the repeat that evens the ranks out counts no token."""
+    return {**row, "labels": [IGNORE_INDEX] * len(row["labels"])}

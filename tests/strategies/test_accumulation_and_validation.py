@@ -41,6 +41,7 @@ from lit_memtrain.datamodules.batch import IGNORE_INDEX, shift_targets
 from lit_memtrain.datamodules.collate import PaddedCollator
 from lit_memtrain.datamodules.embedded import make_preference
 from lit_memtrain.datamodules.preference import PreferenceDataModule
+from lit_memtrain.datamodules.sft import SFTDataModule
 from lit_memtrain.datamodules.prompts import PromptCollator
 from lit_memtrain.models.generation import SamplingSettings, TransformersGenerate
 from lit_memtrain.objectives.causal_lm import CausalLMModule
@@ -349,12 +350,41 @@ def _run_validation_case(kind: str, strategy: str, rank: int, out: Path) -> None
     torch.save({"metrics": metrics, "warnings": [str(w.message) for w in caught]}, out / f"val-{kind}-{rank}.pt")
 
 
+def _sft_datamodule() -> SFTDataModule:
+    """Seven validation rows of different lengths (an odd number for two ranks), read through the datamodule."""
+    rows = [{"prompt": f"Question {i}:" + " and" * i, "completion": " the answer" + " is here" * (3 * i + 1)}
+            for i in range(14)]  # fmt: skip
+    return SFTDataModule(
+        tokenizer="lit-memtrain/embedded", dataset=datasets.Dataset.from_list(rows), val_size=0.5, val_batch_size=2
+    )
+
+
+class ScoredTokens(Callback):
+    """The validation targets that count (labels not ``IGNORE_INDEX``) in the batches this rank ran."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self.count += int((batch["labels"] != IGNORE_INDEX).sum())
+
+
+def _run_datamodule_validation_case(kind: str, strategy: str, rank: int, out: Path) -> None:
+    scored = ScoredTokens()
+    trainer = _trainer([scored], devices=WORLD, strategy=_strategy(strategy))
+    trainer.validate(_module(kind), datamodule=_sft_datamodule(), verbose=False)
+    metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
+    result = {"metrics": metrics, "batches": trainer.num_val_batches, "scored": scored.count}
+    torch.save(result, out / f"val-datamodule-{kind}-{rank}.pt")
+
+
 def _worker(rank: int, out: Path, port: int) -> None:
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(WORLD),
                        "NODE_RANK": "0", "LOCAL_RANK": str(rank)})  # fmt: skip
     torch.set_num_threads(1)
     cases = [(f"fit-{k}-{s}", _run_fit_case, k, s) for k, s in FIT_CASES]
     cases += [(f"val-{k}", _run_validation_case, k, s) for k, s in VALIDATION_CASES]
+    cases += [("val-datamodule-sft", _run_datamodule_validation_case, "sft", "fsdp2")]
     for name, run, kind, strategy in cases:
         try:
             run(kind, strategy, rank, out)
@@ -438,3 +468,22 @@ def _assert_validation_metrics_of_the_whole_set(kind: str, two_ranks: Path) -> d
             assert got["metrics"][name] == pytest.approx(value, rel=1e-5, abs=1e-6), f"rank {rank}: {name}"
         assert not [message for message in got["warnings"] if "sync_dist" in message]
     return expected
+
+
+def test_validation_through_the_datamodule_scores_each_row_once(two_ranks):
+    """Seven validation rows on two ranks under FSDP2, dealt by the datamodule: each rank runs two batches (one
+    rank's last row a repeat to even them out, with nothing to score), and the metrics on every rank are those of one
+    process over the seven rows. Lightning's own sampler would score the repeated first row twice."""
+    for error in sorted(two_ranks.glob("val-datamodule-sft.rank*.error")):
+        pytest.fail(f"the two-rank validation through the datamodule failed on {error.stem}:\n{error.read_text()}")
+    datamodule, scored = _sft_datamodule(), ScoredTokens()
+    trainer = _trainer([scored], devices=1)
+    expected = trainer.validate(_module("sft"), datamodule=datamodule, verbose=False)[0]
+    assert len(datamodule.val_dataset) == 7 and trainer.num_val_batches == [4]
+    assert set(expected) == {"val/loss", "val/ppl", "val/token_accuracy"}
+    ranks = [torch.load(two_ranks / f"val-datamodule-sft-{rank}.pt", weights_only=True) for rank in range(WORLD)]
+    assert sum(got["scored"] for got in ranks) == scored.count  # every target once, none twice
+    for rank, got in enumerate(ranks):
+        assert got["batches"] == [2]
+        for name, value in expected.items():
+            assert got["metrics"][name] == pytest.approx(value, rel=1e-5, abs=1e-6), f"rank {rank}: {name}"
