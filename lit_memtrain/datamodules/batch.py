@@ -17,36 +17,47 @@ drifts. A batch is a dict of tensors:
   step's micro-batches and the accumulation they were read ahead for), tagged by
   :mod:`lit_memtrain.objectives.step_tokens`; ``num_trainable_tokens``, which collators of 0.1 wrote, is kept
   from the model too; ``margin`` (``[pairs]``, TRL's reward-model column: how far a pair's chosen reward should
-  exceed its rejected one), read by the reward loss only.
+  exceed its rejected one), read by the reward loss only; ``scored`` (``[rows]`` bool: pairs, or prompts), in a
+  validation batch that holds a repeated row which evens out the data-parallel ranks: which rows count in the
+  metrics (:func:`scored_rows`; absent, every row counts).
 
 :func:`model_inputs` is what the model's forward takes from a batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
     "BATCH_ONLY_KEYS",
     "IGNORE_INDEX",
+    "SCORED",
     "STEP_TRAINABLE_TOKENS",
     "STEP_WINDOW",
     "VARLEN_KEYS",
     "batch_targets",
     "is_padding_free",
+    "mark_unscored",
     "model_inputs",
+    "scored_column",
+    "scored_rows",
     "shift_targets",
 ]
 
 IGNORE_INDEX = -100  # a label the loss skips (prompt tokens, padding, each document's first token)
 STEP_TRAINABLE_TOKENS = "step_trainable_tokens"
 STEP_WINDOW = "step_window"
+SCORED = "scored"
+# The key that marks a dataset row as a validation repeat: a name no dataset column has (prompts keep every column).
+_UNSCORED_MARK = "__lit_memtrain_unscored__"
 BATCH_ONLY_KEYS = (
     "labels", "shift_labels", "num_trainable_tokens", "num_tokens", "seq_lengths", "attention_pairs",
-    STEP_TRAINABLE_TOKENS, STEP_WINDOW, "margin",
+    STEP_TRAINABLE_TOKENS, STEP_WINDOW, "margin", SCORED,
 )  # fmt: skip
 VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")  # a padding-free row's documents
 
@@ -84,3 +95,30 @@ def model_inputs(batch: dict[str, Any], varlen: bool = False, cu_seq_lens_on_hos
             inputs["cu_seq_lens_q"] = batch["cu_seq_lens_q"].cpu()
     inputs["use_cache"] = False
     return inputs
+
+
+def mark_unscored(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` as a repeat that evens out the data-parallel ranks in validation: a collator that reads the mark
+    (:func:`scored_column`) gives its batch a :data:`SCORED` entry false for this row, which the metrics leave out."""
+    return {**row, _UNSCORED_MARK: True}
+
+
+def scored_column(rows: Sequence[Mapping[str, Any]]) -> Tensor | None:
+    """A collator's :data:`SCORED` entry for ``rows``: ``[rows]`` bool, false where :func:`mark_unscored` marked a
+    row; ``None`` when no row is marked (the batch then holds no entry: every row counts)."""
+    if not any(_UNSCORED_MARK in row for row in rows):
+        return None
+    return torch.tensor([not row.get(_UNSCORED_MARK, False) for row in rows])
+
+
+def scored_rows(batch: dict[str, Any], rows: int, device: torch.device | str | None = None) -> Tensor:
+    """Which of a batch's ``rows`` (pairs, prompts) count in validation metrics, ``[rows]`` bool: its :data:`SCORED`
+    entry, or every row when it has none."""
+    scored = batch.get(SCORED)
+    if scored is None:
+        return torch.ones(rows, dtype=torch.bool, device=device)
+    if scored.shape != (rows,):
+        raise ValueError(
+            f"The batch's {SCORED!r} entry has shape {tuple(scored.shape)}, expected one entry per row ({rows})."
+        )
+    return scored.to(device=device, dtype=torch.bool)

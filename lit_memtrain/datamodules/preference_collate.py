@@ -17,7 +17,7 @@ import torch
 
 from lit_memtrain.datamodules.collate import PaddedCollator
 from lit_memtrain.datamodules.padding_free import PaddingFreeCollator
-from lit_memtrain.datamodules.batch import IGNORE_INDEX
+from lit_memtrain.datamodules.batch import IGNORE_INDEX, SCORED, scored_column
 
 REFERENCE_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 MARGIN_COLUMN = "margin"  # TRL's reward-model column: how far each pair's chosen reward should exceed its rejected
@@ -44,6 +44,8 @@ class PreferenceCollator:
       chosen of pair ``i`` is ``i``, rejected is ``B + i``; padding is ``2 B``.
     - ``num_pairs``: ``B``.
     - ``ref_chosen_logps``, ``ref_rejected_logps``, ``margin``: ``FloatTensor [B]``, when the pairs carry them.
+    - ``scored``: ``BoolTensor [B]``, when a pair is a validation repeat
+      (:func:`~lit_memtrain.datamodules.batch.scored_column`).
 
     Example:
         >>> collate = PreferenceCollator(pad_token_id=0)
@@ -73,4 +75,7 @@ class PreferenceCollator:
         for name in (*REFERENCE_COLUMNS, MARGIN_COLUMN):
             if name in pairs[0]:
                 batch[name] = torch.tensor([float(pair[name]) for pair in pairs], dtype=torch.float32)
+        scored = scored_column(pairs)
+        if scored is not None:
+            batch[SCORED] = scored
         return batch

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.utilities import rank_zero_info
 
+from lit_memtrain.datamodules.batch import SCORED, scored_column
 from lit_memtrain.datamodules.embedded import EMBEDDED, embedded_prompt_path
 from lit_memtrain.datamodules.prompt_tokenize import PromptTruncation, detect_prompt_format, tokenize_prompt
 from lit_memtrain.datamodules.sources import RawData
@@ -56,7 +57,9 @@ class PromptCounts:
 
 class PromptCollator:
     """A batch of prompts: ``prompt_ids`` (token ids, lists), ``prompt`` (as the dataset holds it: strings or chat
-    messages) and ``columns`` (every other column, a list per column), one entry per prompt.
+    messages) and ``columns`` (every other column, a list per column), one entry per prompt; and ``scored``
+    (``BoolTensor``, one per prompt) when a prompt is a validation repeat
+    (:func:`~lit_memtrain.datamodules.batch.scored_column`).
 
     Example:
         >>> PromptCollator(["answer"])([{"prompt": "1 + 1 =", "prompt_ids": [5, 6], "answer": "2"}])
@@ -69,11 +72,15 @@ class PromptCollator:
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         if len(rows) == 0:
             raise ValueError("PromptCollator got an empty list of prompts.")
-        return {
+        batch = {
             "prompt": [row["prompt"] for row in rows],
             "prompt_ids": [list(row["prompt_ids"]) for row in rows],
             "columns": {name: [row[name] for row in rows] for name in self.columns},
         }
+        scored = scored_column(rows)
+        if scored is not None:
+            batch[SCORED] = scored
+        return batch
 
 
 

@@ -3,7 +3,9 @@
 Why a base class: preference pairs (DPO, reward models) and RL prompts are read, tokenized, held out and loaded
 the same way; only how a split is read and tokenized and how a batch is collated differ. The shared steps live
 here once: load the splits, refuse an empty training split, tokenize each, hold out ``val_size`` when no
-``val_split`` is named, and serve a resumable shuffled training loader and an ordered validation loader.
+``val_split`` is named, and serve a resumable shuffled training loader and an ordered validation loader (each
+data-parallel rank its share; a repeat that evens the shares out is marked, and the modules leave it out of their
+metrics: :data:`~lit_memtrain.datamodules.batch.SCORED`).
 (:class:`~lit_memtrain.datamodules.sft.SFTDataModule` packs and streams, and keeps its own steps.)
 """
 
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch.utils.data import DataLoader
 
+from lit_memtrain.datamodules.batch import mark_unscored
 from lit_memtrain.datamodules.resumable import ResumableDataLoader
 from lit_memtrain.datamodules.resumable_datamodule import ResumableDataModule
 from lit_memtrain.datamodules.sources import RawData
@@ -89,10 +92,6 @@ class TokenizedSplitsDataModule(ResumableDataModule):
     def val_dataloader(self) -> DataLoader | list:
         if "validation" not in self.datasets:
             return []
-        return DataLoader(
-            self.datasets["validation"],
-            batch_size=self.val_batch_size,
-            shuffle=False,
-            collate_fn=self.collator(),
-            num_workers=self.num_workers,
+        return self.validation_loader(
+            self.datasets["validation"], self.val_batch_size, self.collator(), mark_unscored, self.num_workers
         )

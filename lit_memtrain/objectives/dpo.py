@@ -34,7 +34,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torchmetrics import MeanMetric
 
-from lit_memtrain.datamodules.batch import IGNORE_INDEX, shift_targets
+from lit_memtrain.datamodules.batch import IGNORE_INDEX, scored_rows, shift_targets
 from lit_memtrain.datamodules.preference_collate import REFERENCE_COLUMNS
 from lit_memtrain.objectives.causal_lm import CausalLMModule
 from lit_memtrain.objectives.preference_loss import LOSS_TYPES, PreferenceLossType, preference_loss
@@ -155,8 +155,8 @@ class DPOModule(CausalLMModule):
             )
         return batch["ref_chosen_logps"], batch["ref_rejected_logps"]
 
-    def pair_loss(self, batch: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
-        """Mean loss over the batch's pairs, and the metrics TRL logs."""
+    def pair_values(self, batch: dict[str, Any]) -> dict[str, Tensor]:
+        """Each pair's loss and the values whose means are the metrics TRL logs (:data:`_PAIR_METRICS`), ``[B]``."""
         logps, counts = self.sequence_logps(batch)
         chosen, rejected = logps.chunk(2)
         chosen_tokens, rejected_tokens = counts.chunk(2)
@@ -165,15 +165,20 @@ class DPOModule(CausalLMModule):
             chosen, rejected, ref_chosen, ref_rejected, self.hparams.beta, self.hparams.preference_loss,
             chosen_tokens, rejected_tokens,
         )
-        metrics = {
-            "rewards/chosen": out.chosen_rewards.mean(),
-            "rewards/rejected": out.rejected_rewards.mean(),
-            "rewards/accuracies": (out.chosen_rewards > out.rejected_rewards).float().mean(),
-            "rewards/margins": (out.chosen_rewards - out.rejected_rewards).mean(),
-            "logps/chosen": chosen.detach().mean(),
-            "logps/rejected": rejected.detach().mean(),
+        return {
+            "loss": out.losses,
+            "rewards/chosen": out.chosen_rewards,
+            "rewards/rejected": out.rejected_rewards,
+            "rewards/accuracies": (out.chosen_rewards > out.rejected_rewards).float(),
+            "rewards/margins": out.chosen_rewards - out.rejected_rewards,
+            "logps/chosen": chosen.detach(),
+            "logps/rejected": rejected.detach(),
         }
-        return out.losses.mean(), metrics
+
+    def pair_loss(self, batch: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
+        """Mean loss over the batch's pairs, and the metrics TRL logs (means over the pairs)."""
+        values = self.pair_values(batch)
+        return values.pop("loss").mean(), {name: value.mean() for name, value in values.items()}
 
     # ------------------------------------------------------------------------ precomputed reference
 
@@ -268,11 +273,14 @@ class DPOModule(CausalLMModule):
         return loss
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
-        loss, metrics = self.pair_loss(batch)
-        pairs = int(batch["num_pairs"])
-        for name, value in {"loss": loss, **metrics}.items():
-            self.val_metrics[name].update(value, weight=pairs)  # a sum over the batch's pairs
-        return loss
+        """Each pair's values update :attr:`val_metrics` (means over every rank's pairs at the end), but for a
+        repeat that evens out the ranks (:func:`~lit_memtrain.datamodules.batch.scored_rows`), which weighs 0;
+        returns the batch's mean loss."""
+        values = self.pair_values(batch)
+        weights = scored_rows(batch, int(batch["num_pairs"]), self.device).float()
+        for name, value in values.items():
+            self.val_metrics[name].update(value.detach(), weight=weights)
+        return values["loss"].mean()
 
     def on_train_end(self) -> None:
         super().on_train_end()

@@ -40,7 +40,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
-from lit_memtrain.datamodules.batch import shift_targets
+from lit_memtrain.datamodules.batch import scored_rows, shift_targets
 from lit_memtrain.models.builder import build_training_model, load_sharded
 from lit_memtrain.models.generation import BACKENDS, GenerationBackend, SamplingSettings
 from lit_memtrain.models.lora import head_weight
@@ -611,16 +611,19 @@ class GRPOModule(CausalLMModule):
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         """Generate and score completions of validation prompts (no loss): this rank's completions update
-        :attr:`val_metrics` (NaN, unscored, rewards left out, as ``nanmean`` does)."""
+        :attr:`val_metrics` (NaN, unscored, rewards left out, as ``nanmean`` does), but those of a prompt repeated
+        to even out the ranks (:func:`~lit_memtrain.datamodules.batch.scored_rows`), which weigh 0."""
         where = f"validation batch {batch_idx} (global step {self.trainer.global_step})"
         rollout, rewards, _, _ = self._generate_and_score(batch, where)
         rewards = rewards.to(self.device)
+        prompts = scored_rows(batch, len(batch["prompt_ids"]), self.device)
+        weights = prompts.repeat_interleave(self.num_generations).float()  # completions of a prompt follow it
         metrics = self.val_metrics
-        metrics["reward"].update(combine_rewards(rewards, self.reward_functions.weights))
+        metrics["reward"].update(combine_rewards(rewards, self.reward_functions.weights), weight=weights)
         lengths = torch.tensor([len(ids) for ids in rollout.completion_ids], dtype=torch.float32, device=self.device)
-        metrics["completions/mean_length"].update(lengths)
+        metrics["completions/mean_length"].update(lengths, weight=weights)
         for index in range(rewards.shape[1]):
-            metrics[f"rewards/{index}"].update(rewards[:, index])
+            metrics[f"rewards/{index}"].update(rewards[:, index], weight=weights)
 
     def val_metric_names(self) -> dict[str, str]:
         """What each of :attr:`val_metrics` is logged as, after ``val/``: TRL's names."""

@@ -25,11 +25,12 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torchmetrics import MaxMetric, MeanMetric, MinMetric
 
+from lit_memtrain.datamodules.batch import scored_rows
 from lit_memtrain.datamodules.preference_collate import MARGIN_COLUMN, REFERENCE_COLUMNS
 from lit_memtrain.objectives.causal_lm import CausalLMModule
 from lit_memtrain.objectives.reward_loss import (
     PAIR_MEANS,
-    bradley_terry_loss,
+    bradley_terry_losses,
     last_token_positions,
     metrics_from_statistics,
     pair_values,
@@ -146,13 +147,19 @@ class RewardModule(CausalLMModule):
             )
         return head
 
+    def pair_losses(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor]:
+        """Each pair's Bradley-Terry loss, and its chosen and rejected rewards (``[B]`` each, the rewards detached,
+        in fp32)."""
+        rewards = self.sequence_rewards(batch).float()
+        chosen, rejected = rewards.chunk(2)
+        margin, coefficient = batch.get(MARGIN_COLUMN), self.hparams.center_rewards_coefficient
+        return bradley_terry_losses(chosen, rejected, margin, coefficient), chosen.detach(), rejected.detach()
+
     def pair_loss(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor]:
         """Mean Bradley-Terry loss over the batch's pairs, and their chosen and rejected rewards (``[B]`` each,
         detached, in fp32)."""
-        rewards = self.sequence_rewards(batch).float()
-        chosen, rejected = rewards.chunk(2)
-        loss = bradley_terry_loss(chosen, rejected, batch.get(MARGIN_COLUMN), self.hparams.center_rewards_coefficient)
-        return loss, chosen.detach(), rejected.detach()
+        losses, chosen, rejected = self.pair_losses(batch)
+        return losses.mean(), chosen, rejected
 
     def compute_loss(self, batch: dict[str, Any], num_items: int | Tensor | None = None) -> Tensor:
         """The mean Bradley-Terry loss over the batch's pairs (a reward model has no token loss: ``num_items``,
@@ -271,15 +278,21 @@ class RewardModule(CausalLMModule):
         return loss
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
-        loss, chosen, rejected = self.pair_loss(batch)
+        """Each pair's values update :attr:`val_metrics` (over every rank's pairs at the end), but for a repeat
+        that evens out the ranks (:func:`~lit_memtrain.datamodules.batch.scored_rows`), which weighs 0; returns the
+        batch's mean loss."""
+        losses, chosen, rejected = self.pair_losses(batch)
+        scored = scored_rows(batch, chosen.numel(), chosen.device)
+        weights = scored.float()
         metrics = self.val_metrics
-        metrics["loss"].update(loss, weight=chosen.numel())  # a sum over the batch's pairs
+        metrics["loss"].update(losses.detach(), weight=weights)
         for name, values in pair_values(chosen, rejected).items():
-            metrics[name].update(values)
-        rewards = torch.cat([chosen, rejected])
-        for name in ("mean_reward", "min_reward", "max_reward"):
-            metrics[name].update(rewards)
-        return loss
+            metrics[name].update(values, weight=weights)
+        rewards, scored = torch.cat([chosen, rejected]), torch.cat([scored, scored])
+        metrics["mean_reward"].update(rewards, weight=scored.float())
+        metrics["min_reward"].update(rewards.masked_fill(~scored, torch.inf))  # a repeat's rewards reach neither end
+        metrics["max_reward"].update(rewards.masked_fill(~scored, -torch.inf))
+        return losses.detach().mean()
 
     def on_train_end(self) -> None:
         super().on_train_end()

@@ -20,7 +20,7 @@ from torch import Tensor
 __all__ = [
     "PAIR_MEANS",
     "REWARD_METRICS",
-    "bradley_terry_loss",
+    "bradley_terry_losses",
     "last_token_positions",
     "metrics_from_statistics",
     "pair_values",
@@ -52,24 +52,25 @@ def last_token_positions(input_ids: Tensor, sequence_ids: Tensor, sequences: int
     return torch.where(last >= 0, last, first)[:sequences]
 
 
-def bradley_terry_loss(
+def bradley_terry_losses(
     chosen: Tensor, rejected: Tensor, margin: Tensor | None = None, center_rewards_coefficient: float | None = None
 ) -> Tensor:
-    """TRL's reward loss of ``B`` pairs (each argument ``[B]``): ``-mean log sigmoid(chosen - rejected - margin)``,
-    plus ``center_rewards_coefficient * mean((chosen + rejected)^2)`` when that is set (it pulls the rewards
-    towards zero mean, TRL advises 0.01).
+    """Each pair's term of TRL's reward loss (each argument ``[B]``, the result too): ``-log sigmoid(chosen -
+    rejected - margin)``, plus ``center_rewards_coefficient * (chosen + rejected)^2`` when that is set (it pulls the
+    rewards towards zero mean, TRL advises 0.01). Their mean is the loss of the batch; a validation metric over
+    pairs weighs each pair's term.
 
     Example:
-        >>> bradley_terry_loss(torch.tensor([2.0]), torch.tensor([0.0]))
-        tensor(0.1269)
+        >>> bradley_terry_losses(torch.tensor([2.0, 0.0]), torch.tensor([0.0, 0.0]))
+        tensor([0.1269, 0.6931])
     """
     gap = chosen - rejected
     if margin is not None:
         gap = gap - margin.to(gap)
-    loss = -F.logsigmoid(gap).mean()
+    losses = -F.logsigmoid(gap)
     if center_rewards_coefficient is not None:
-        loss = loss + center_rewards_coefficient * torch.mean((chosen + rejected) ** 2)
-    return loss
+        losses = losses + center_rewards_coefficient * (chosen + rejected) ** 2
+    return losses
 
 
 def pair_values(chosen: Tensor, rejected: Tensor) -> dict[str, Tensor]:

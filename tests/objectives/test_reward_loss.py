@@ -11,7 +11,7 @@ from transformers import AutoModelForSequenceClassification
 
 from lit_memtrain.models.presets import build_config
 from lit_memtrain.objectives.reward_loss import (
-    bradley_terry_loss,
+    bradley_terry_losses,
     last_token_positions,
     metrics_from_statistics,
     step_statistics,
@@ -54,11 +54,12 @@ def test_the_reward_token_is_where_transformers_reads_a_padded_row_and_the_same_
     assert last_token_positions(flat[None], flat_owners[None], len(sequences), PAD).tolist() == expected.tolist()
 
 
-def test_bradley_terry_loss_is_trls_formula_with_margin_and_centering():
+def test_the_mean_of_the_bradley_terry_losses_is_trls_formula_with_margin_and_centering():
     chosen, rejected, margin = torch.tensor([1.5, -0.2, 0.3]), torch.tensor([0.5, 0.1, 0.3]), torch.tensor([0.2, 0, 1])
-    assert bradley_terry_loss(chosen, rejected) == pytest.approx(float(-F.logsigmoid(chosen - rejected).mean()))
+    losses = bradley_terry_losses(chosen, rejected)
+    torch.testing.assert_close(losses, -F.logsigmoid(chosen - rejected))
     with_margin = -F.logsigmoid(chosen - rejected - margin).mean() + 0.01 * ((chosen + rejected) ** 2).mean()
-    assert bradley_terry_loss(chosen, rejected, margin, 0.01) == pytest.approx(float(with_margin))
+    assert bradley_terry_losses(chosen, rejected, margin, 0.01).mean() == pytest.approx(float(with_margin))
 
 
 def test_metrics_over_ranks_weigh_every_pair_the_same():

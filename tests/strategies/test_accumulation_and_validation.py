@@ -11,7 +11,9 @@ was read ahead is refused.
 Two ranks (gloo): one launch of two forked processes runs every case in turn, each with its own Trainer: the
 schedule under DDP and FSDP2 against one process whose micro-batches hold both ranks' rows, and each module's
 validation metrics, read on every rank, against one process over the whole validation set: SFT, DPO, and GRPO and
-RLOO, whose validation generates (greedily, so each rank draws what one process draws of the same prompts).
+RLOO, whose validation generates (greedily, so each rank draws what one process draws of the same prompts); and
+validation rows that do not divide by the ranks, read through each module's datamodule (SFT, DPO, reward, GRPO):
+the repeat that evens the ranks out counts in no metric.
 """
 
 from __future__ import annotations
@@ -31,22 +33,23 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, IterableDataset
 
-from lit_memtrain.datamodules.batch import IGNORE_INDEX, shift_targets
+from lit_memtrain.datamodules.batch import IGNORE_INDEX, scored_rows, shift_targets
 from lit_memtrain.datamodules.collate import PaddedCollator
 from lit_memtrain.datamodules.embedded import make_preference
 from lit_memtrain.datamodules.preference import PreferenceDataModule
+from lit_memtrain.datamodules.prompts import PromptCollator, PromptDataModule
 from lit_memtrain.datamodules.sft import SFTDataModule
-from lit_memtrain.datamodules.prompts import PromptCollator
 from lit_memtrain.models.generation import SamplingSettings, TransformersGenerate
 from lit_memtrain.objectives.causal_lm import CausalLMModule
 from lit_memtrain.objectives.dpo import DPOModule
 from lit_memtrain.objectives.grpo import GRPOModule
+from lit_memtrain.objectives.reward import RewardModule
 from lit_memtrain.objectives.rloo import RLOOModule
 from lit_memtrain.strategies import FSDP2Strategy
 
@@ -66,6 +69,13 @@ class SeededSFT(CausalLMModule):
 
 
 class SeededDPO(DPOModule):
+    def configure_model(self) -> None:
+        if self.model is None:
+            torch.manual_seed(0)
+        super().configure_model()
+
+
+class SeededReward(RewardModule):
     def configure_model(self) -> None:
         if self.model is None:
             torch.manual_seed(0)
@@ -124,6 +134,8 @@ def _module(kind: str) -> LightningModule:
         return SeededSFT(preset="tiny-qwen3", **SGD)
     if kind in ("grpo", "rloo"):
         return _rl_module(kind)
+    if kind == "reward":
+        return SeededReward(preset="tiny-qwen3", tokenizer="lit-memtrain/embedded", **SGD)
     return SeededDPO(preset="tiny-qwen3", tokenizer="lit-memtrain/embedded", **SGD)
 
 
@@ -324,6 +336,7 @@ def test_a_step_read_ahead_for_another_accumulation_is_refused(kind):
 
 FIT_CASES = [("sft", "ddp"), ("sft", "fsdp2"), ("dpo", "ddp"), ("dpo", "fsdp2")]
 VALIDATION_CASES = [("sft", "ddp"), ("dpo", "fsdp2"), ("grpo", "ddp"), ("rloo", "fsdp2")]
+DATAMODULE_VALIDATION_CASES = [("sft", "fsdp2"), ("dpo", "fsdp2"), ("reward", "ddp"), ("grpo", "ddp")]
 
 
 def _strategy(name: str) -> Any:
@@ -350,29 +363,44 @@ def _run_validation_case(kind: str, strategy: str, rank: int, out: Path) -> None
     torch.save({"metrics": metrics, "warnings": [str(w.message) for w in caught]}, out / f"val-{kind}-{rank}.pt")
 
 
-def _sft_datamodule() -> SFTDataModule:
-    """Seven validation rows of different lengths (an odd number for two ranks), read through the datamodule."""
-    rows = [{"prompt": f"Question {i}:" + " and" * i, "completion": " the answer" + " is here" * (3 * i + 1)}
-            for i in range(14)]  # fmt: skip
-    return SFTDataModule(
-        tokenizer="lit-memtrain/embedded", dataset=datasets.Dataset.from_list(rows), val_size=0.5, val_batch_size=2
-    )
+def _datamodule(kind: str) -> LightningDataModule:
+    """Validation rows that do not divide by two ranks, read through the module's datamodule: 7 SFT rows of
+    different lengths, 7 preference pairs (with their reference log-probabilities), 5 prompts whose scores differ."""
+    if kind == "sft":
+        rows = [{"prompt": f"Question {i}:" + " and" * i, "completion": " the answer" + " is here" * (3 * i + 1)}
+                for i in range(14)]  # fmt: skip
+        data = datasets.Dataset.from_list(rows)
+        return SFTDataModule(tokenizer="lit-memtrain/embedded", dataset=data, val_size=0.5, val_batch_size=2)
+    if kind in ("dpo", "reward"):
+        rows = [{**make_preference(random.Random(i)), "ref_chosen_logps": -30.0 + i, "ref_rejected_logps": -25.0 - i}
+                for i in range(10)]  # fmt: skip
+        data = datasets.Dataset.from_list(rows)
+        long_pairs = "drop" if kind == "reward" else "truncate"  # a reward model reads its score at the end
+        return PreferenceDataModule(dataset=data, max_length=128, long_pairs=long_pairs, val_size=7, val_batch_size=2)
+    rows = [{"prompt": f"Prompt {i}:" + " and" * i, "score": float(i * i), "scored": i % 3 != 1} for i in range(8)]
+    data = datasets.Dataset.from_list(rows)
+    return PromptDataModule(tokenizer="lit-memtrain/embedded", dataset=data, val_size=5, val_batch_size=2)
 
 
-class ScoredTokens(Callback):
-    """The validation targets that count (labels not ``IGNORE_INDEX``) in the batches this rank ran."""
+class ScoredRows(Callback):
+    """What this rank's validation batches give the metrics: SFT targets (labels not ``IGNORE_INDEX``), pairs or
+    prompts (but those a batch marks as not scored)."""
 
     def __init__(self) -> None:
         self.count = 0
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
-        self.count += int((batch["labels"] != IGNORE_INDEX).sum())
+        if "labels" in batch and "num_pairs" not in batch:
+            self.count += int((batch["labels"] != IGNORE_INDEX).sum())
+        else:
+            rows = int(batch["num_pairs"]) if "num_pairs" in batch else len(batch["prompt_ids"])
+            self.count += int(scored_rows(batch, rows).sum())
 
 
 def _run_datamodule_validation_case(kind: str, strategy: str, rank: int, out: Path) -> None:
-    scored = ScoredTokens()
+    scored = ScoredRows()
     trainer = _trainer([scored], devices=WORLD, strategy=_strategy(strategy))
-    trainer.validate(_module(kind), datamodule=_sft_datamodule(), verbose=False)
+    trainer.validate(_module(kind), datamodule=_datamodule(kind), verbose=False)
     metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
     result = {"metrics": metrics, "batches": trainer.num_val_batches, "scored": scored.count}
     torch.save(result, out / f"val-datamodule-{kind}-{rank}.pt")
@@ -384,7 +412,7 @@ def _worker(rank: int, out: Path, port: int) -> None:
     torch.set_num_threads(1)
     cases = [(f"fit-{k}-{s}", _run_fit_case, k, s) for k, s in FIT_CASES]
     cases += [(f"val-{k}", _run_validation_case, k, s) for k, s in VALIDATION_CASES]
-    cases += [("val-datamodule-sft", _run_datamodule_validation_case, "sft", "fsdp2")]
+    cases += [(f"val-datamodule-{k}", _run_datamodule_validation_case, k, s) for k, s in DATAMODULE_VALIDATION_CASES]
     for name, run, kind, strategy in cases:
         try:
             run(kind, strategy, rank, out)
@@ -450,17 +478,25 @@ def test_rl_validation_metrics_on_every_rank_are_those_of_the_whole_set(kind, tw
         assert abs(sum(own) / len(own) - whole) > 1
 
 
+_RL_METRICS = {"reward", "completions/mean_length", "rewards/_score/mean", "rewards/_length/mean"}
+VALIDATION_METRICS = {
+    "sft": {"loss", "ppl", "token_accuracy"},
+    "dpo": {"loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+            "logps/rejected"},
+    "reward": {"loss", "accuracy", "margin", "rewards/chosen", "rewards/rejected", "mean_reward", "min_reward",
+               "max_reward"},
+    "grpo": _RL_METRICS,
+    "rloo": _RL_METRICS,
+}  # fmt: skip
+
+
 def _assert_validation_metrics_of_the_whole_set(kind: str, two_ranks: Path) -> dict[str, float]:
     for error in sorted(two_ranks.glob(f"val-{kind}.rank*.error")):
         pytest.fail(f"the two-rank validation of {kind} failed on {error.stem}:\n{error.read_text()}")
     batches = [batch for rank in range(WORLD) for batch in _validation_batches(kind, rank)]
     trainer = _trainer([], devices=1)
     expected = trainer.validate(_module(kind), DataLoader(batches, batch_size=None), verbose=False)[0]
-    rl = {"reward", "completions/mean_length", "rewards/_score/mean", "rewards/_length/mean"}
-    names = {"sft": {"loss", "ppl", "token_accuracy"}, "dpo": {"loss", "rewards/chosen", "rewards/rejected",
-             "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected"},
-             "grpo": rl, "rloo": rl}[kind]  # fmt: skip
-    assert set(expected) == {f"val/{name}" for name in names}
+    assert set(expected) == {f"val/{name}" for name in VALIDATION_METRICS[kind]}
     for rank in range(WORLD):
         got = torch.load(two_ranks / f"val-{kind}-{rank}.pt", weights_only=True)
         assert got["metrics"].keys() == expected.keys()
@@ -470,20 +506,28 @@ def _assert_validation_metrics_of_the_whole_set(kind: str, two_ranks: Path) -> d
     return expected
 
 
-def test_validation_through_the_datamodule_scores_each_row_once(two_ranks):
-    """Seven validation rows on two ranks under FSDP2, dealt by the datamodule: each rank runs two batches (one
-    rank's last row a repeat to even them out, with nothing to score), and the metrics on every rank are those of one
-    process over the seven rows. Lightning's own sampler would score the repeated first row twice."""
-    for error in sorted(two_ranks.glob("val-datamodule-sft.rank*.error")):
+# Each kind's validation rows, its batches on one process and on each of two ranks (one rank's last row a repeat that
+# evens them out), and what the metrics count: SFT's targets, pairs, prompts.
+DATAMODULE_VALIDATION = {"sft": (7, 4, 2, 665), "dpo": (7, 4, 2, 7), "reward": (7, 4, 2, 7), "grpo": (5, 3, 2, 5)}
+
+
+@pytest.mark.parametrize(("kind", "strategy"), DATAMODULE_VALIDATION_CASES)
+def test_validation_through_the_datamodule_scores_each_row_once(kind, strategy, two_ranks):
+    """Validation rows that do not divide by two ranks, dealt by the module's datamodule: each rank runs as many
+    batches, one rank's last row a repeat that evens them out and counts in no metric, and the metrics on every
+    rank are those of one process over the whole set. Lightning's own sampler would score the first row twice
+    (SFT: 748 targets for 665)."""
+    for error in sorted(two_ranks.glob(f"val-datamodule-{kind}.rank*.error")):
         pytest.fail(f"the two-rank validation through the datamodule failed on {error.stem}:\n{error.read_text()}")
-    datamodule, scored = _sft_datamodule(), ScoredTokens()
+    rows, batches, rank_batches, targets = DATAMODULE_VALIDATION[kind]
+    datamodule, scored = _datamodule(kind), ScoredRows()
     trainer = _trainer([scored], devices=1)
-    expected = trainer.validate(_module("sft"), datamodule=datamodule, verbose=False)[0]
-    assert len(datamodule.val_dataset) == 7 and trainer.num_val_batches == [4]
-    assert set(expected) == {"val/loss", "val/ppl", "val/token_accuracy"}
-    ranks = [torch.load(two_ranks / f"val-datamodule-sft-{rank}.pt", weights_only=True) for rank in range(WORLD)]
-    assert sum(got["scored"] for got in ranks) == scored.count  # every target once, none twice
+    expected = trainer.validate(_module(kind), datamodule=datamodule, verbose=False)[0]
+    assert len(datamodule.val_dataset) == rows and trainer.num_val_batches == [batches] and scored.count == targets
+    assert set(expected) == {f"val/{name}" for name in VALIDATION_METRICS[kind]}
+    ranks = [torch.load(two_ranks / f"val-datamodule-{kind}-{rank}.pt", weights_only=True) for rank in range(WORLD)]
+    assert sum(got["scored"] for got in ranks) == targets  # every target once, none twice
     for rank, got in enumerate(ranks):
-        assert got["batches"] == [2]
+        assert got["batches"] == [rank_batches]
         for name, value in expected.items():
             assert got["metrics"][name] == pytest.approx(value, rel=1e-5, abs=1e-6), f"rank {rank}: {name}"
