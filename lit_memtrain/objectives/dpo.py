@@ -155,7 +155,7 @@ class DPOModule(CausalLMModule):
             )
         return batch["ref_chosen_logps"], batch["ref_rejected_logps"]
 
-    def pair_values(self, batch: dict[str, Any]) -> dict[str, Tensor]:
+    def pair_terms(self, batch: dict[str, Any]) -> dict[str, Tensor]:
         """Each pair's loss and the values whose means are the metrics TRL logs (:data:`_PAIR_METRICS`), ``[B]``."""
         logps, counts = self.sequence_logps(batch)
         chosen, rejected = logps.chunk(2)
@@ -177,7 +177,7 @@ class DPOModule(CausalLMModule):
 
     def pair_loss(self, batch: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
         """Mean loss over the batch's pairs, and the metrics TRL logs (means over the pairs)."""
-        values = self.pair_values(batch)
+        values = self.pair_terms(batch)
         return values.pop("loss").mean(), {name: value.mean() for name, value in values.items()}
 
     # ------------------------------------------------------------------------ precomputed reference
@@ -276,7 +276,7 @@ class DPOModule(CausalLMModule):
         """Each pair's values update :attr:`val_metrics` (means over every rank's pairs at the end), but for a
         repeat that evens out the ranks (:func:`~lit_memtrain.datamodules.batch.scored_rows`), which weighs 0;
         returns the batch's mean loss."""
-        values = self.pair_values(batch)
+        values = self.pair_terms(batch)
         weights = scored_rows(batch, int(batch["num_pairs"]), self.device).float()
         for name, value in values.items():
             self.val_metrics[name].update(value.detach(), weight=weights)

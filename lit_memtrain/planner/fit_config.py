@@ -42,7 +42,7 @@ _SINGLE_PROCESS = ("single_device", "singledevice", "singledevicestrategy")
 # trains differently.
 _STEP_METHODS = (
     "training_step", "compute_loss", "_chunked_loss", "_hidden_and_head", "_model_inputs",
-    "pair_loss", "pair_values", "pair_losses", "sequence_logps", "_chunked_token_logps", "batch_reference_logps",
+    "pair_loss", "pair_terms", "pair_losses", "sequence_logps", "_chunked_token_logps", "batch_reference_logps",
     "sequence_rewards", "_score_sequences", "_score_head",
 )  # fmt: skip
 # The data each planned module is trained on, whose arguments give the rows of a step.
