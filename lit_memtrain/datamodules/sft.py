@@ -7,7 +7,8 @@ In memory, tokenization runs through ``datasets.map`` so it is cached and reused
 (:class:`~lit_memtrain.datamodules.streaming.PackedStream`), so a corpus larger than RAM trains with flat
 host memory. Either way the training dataloader resumes mid-epoch exactly where a checkpoint left it
 (:class:`~lit_memtrain.datamodules.resumable.ResumableDataLoader`), and each data-parallel rank reads its
-own share of the data.
+own share of the training data; the validation rows are dealt over the ranks in even shares whose repeats score
+nothing (:mod:`~lit_memtrain.datamodules.validation_shares`; a validation stream is read whole by every rank).
 
 Truncation happens only where tokens are meant to be dropped: without packing and with ``bfd`` each
 example keeps its first ``max_length`` tokens; ``bfd_split`` and ``wrapped`` see whole examples and keep
@@ -42,6 +43,7 @@ from lit_memtrain.datamodules.tokenize import (
     tokenize_located,
 )
 from lit_memtrain.datamodules.tokenizer import load_tokenizer
+from lit_memtrain.datamodules.validation_shares import StreamShares
 
 if TYPE_CHECKING:  # pyarrow and datasets are imported where data is read: the module imports without them
     from datasets import Dataset
@@ -342,10 +344,11 @@ class SFTDataModule(ResumableDataModule):
     # --------------------------------------------------------------------------------------- streaming
 
     def _stream(
-        self, data: Any, raw: RawData, split: str, name: str, train: bool, whole: bool = False
+        self, data: Any, raw: RawData, split: str, name: str, train: bool, whole: bool = False, share: bool = True
     ) -> "PackedStream":
-        """A stream of this rank's share of ``data``, tokenized and packed (or truncated) a window at a time;
-        ``whole`` yields the tokenized examples uncut and unpacked (for the length profiler)."""
+        """A stream of this rank's share of ``data`` (``share=False``: all of it), tokenized and packed (or
+        truncated) a window at a time; ``whole`` yields the tokenized examples uncut and unpacked (for the length
+        profiler)."""
         from datasets.distributed import split_dataset_by_node
 
         from lit_memtrain.datamodules.streaming import PackedStream
@@ -360,7 +363,7 @@ class SFTDataModule(ResumableDataModule):
         dataset_format = self._format_of(list(first), raw, split, first)
         replicas, rank = self.data_parallel()
         locator = raw.locator(split)
-        if replicas > 1:  # as datasets splits: whole shards when they divide evenly, else every replicas-th row
+        if share and replicas > 1:  # as datasets splits: whole shards when they divide evenly, else every replicas-th
             if data.num_shards % replicas == 0 and data.num_shards > 1:
                 locator = RowLocator((), f"the shards of rank {rank} of the {split} split")
             else:
@@ -371,7 +374,8 @@ class SFTDataModule(ResumableDataModule):
 
         def log(counts: TokenCounts) -> None:
             self.token_counts[name] = counts
-            rank_zero_info(f"{name} stream (rank {rank}), one pass: {counts.describe(self.max_length)}.")
+            whose = f"rank {rank}" if share and replicas > 1 else "all ranks"
+            rank_zero_info(f"{name} stream ({whose}), one pass: {counts.describe(self.max_length)}.")
 
         return PackedStream(
             data,
@@ -393,7 +397,9 @@ class SFTDataModule(ResumableDataModule):
         train = self._stream(data, raw, self.split, "train", train=True)
         val = None
         if val_data is not None:
-            val = self._stream(val_data, raw, self.val_split or self.split, "validation", train=False)
+            # Read whole by every rank, and dealt when loaded: shares of a stream read apart would hold numbers of
+            # rows no rank knows beforehand, and a rank with a batch fewer would leave the others waiting (FSDP2).
+            val = self._stream(val_data, raw, self.val_split or self.split, "validation", train=False, share=False)
         return train, val
 
     # ------------------------------------------------------------------------------------------- hooks
@@ -450,7 +456,8 @@ class SFTDataModule(ResumableDataModule):
         if self.val_dataset is None:
             return []
         if self.streaming:
-            return DataLoader(self.val_dataset, batch_size=self.val_batch_size, collate_fn=self.collator())
+            shares = StreamShares(self.val_dataset, _unscored, *self.data_parallel())
+            return DataLoader(shares, batch_size=self.val_batch_size, collate_fn=self.collator())
         return self.validation_loader(
             self._columns(self.val_dataset), self.val_batch_size, self.collator(), _unscored, self.num_workers
         )

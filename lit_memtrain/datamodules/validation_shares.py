@@ -10,21 +10,26 @@ nothing to score: the datamodule's ``unscored`` function blanks their targets (a
 
 Lightning leaves a ``DistributedSampler`` that a dataloader already has in place; the datamodule builds one per
 rank from the strategy's ``distributed_sampler_kwargs`` (context-parallel ranks of one group get the same rows).
+
+A validation stream is dealt the same way by :class:`StreamShares`, as it is read: every rank reads it whole (the
+number of rows is known only at its end, and every rank must know it to run as many batches as the others), keeps
+the rows the sampler would give it and ends with the blanked repeats the sampler would add.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from torch.utils.data import Dataset, DistributedSampler
+from torch.utils.data import Dataset, DistributedSampler, IterableDataset
 
-__all__ = ["UnscoredRepeats", "ValidationShares"]
+__all__ = ["StreamShares", "UnscoredRepeats", "ValidationShares"]
 
 
 class UnscoredRepeats(Dataset):
     """``dataset``'s rows, then, from index ``len(dataset)`` on, repeats of its rows from the first (around again
-    if needed) with their targets blanked by ``unscored`` (what :class:`ValidationShares` asks for to even out the ranks).
+    if needed) with their targets blanked by ``unscored`` (what :class:`ValidationShares` asks for to even out the
+    ranks).
 
     ``len()`` is the number of real rows, which is what the sampler divides over the ranks.
     """
@@ -63,3 +68,37 @@ class ValidationShares(DistributedSampler):
 
     def __iter__(self) -> Iterator[int]:
         return iter(range(self.rank, self.total_size, self.num_replicas))
+
+
+class StreamShares(IterableDataset):
+    """One rank's share of a validation ``stream`` that every rank reads whole: rows ``rank``, ``rank +
+    num_replicas``, ..., then the blanked repeats (``unscored``) that even the ranks out, the very rows
+    :class:`ValidationShares` deals of the same rows in a list. Holds at most ``num_replicas`` rows (the first ones,
+    which the repeats copy).
+
+    Example:
+        >>> [row for row in StreamShares(range(5), unscored=lambda row: -1, num_replicas=2, rank=1)]
+        [1, 3, -1]
+    """
+
+    def __init__(
+        self, stream: Iterable[Any], unscored: Callable[[Any], Any], num_replicas: int = 1, rank: int = 0
+    ) -> None:
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank must be in [0, num_replicas={num_replicas}), got {rank}.")
+        self.stream = stream
+        self.unscored = unscored
+        self.num_replicas = num_replicas
+        self.rank = rank
+
+    def __iter__(self) -> Iterator[Any]:
+        replicas, first_rows, rows = self.num_replicas, [], 0
+        for index, row in enumerate(self.stream):
+            if index < replicas:
+                first_rows.append(row)
+            if index % replicas == self.rank:
+                yield row
+            rows = index + 1
+        evened = -(-rows // replicas) * replicas
+        for index in range(rows + (self.rank - rows) % replicas, evened, replicas):
+            yield self.unscored(first_rows[(index - rows) % rows])

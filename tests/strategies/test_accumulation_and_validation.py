@@ -336,7 +336,9 @@ def test_a_step_read_ahead_for_another_accumulation_is_refused(kind):
 
 FIT_CASES = [("sft", "ddp"), ("sft", "fsdp2"), ("dpo", "ddp"), ("dpo", "fsdp2")]
 VALIDATION_CASES = [("sft", "ddp"), ("dpo", "fsdp2"), ("grpo", "ddp"), ("rloo", "fsdp2")]
-DATAMODULE_VALIDATION_CASES = [("sft", "fsdp2"), ("dpo", "fsdp2"), ("reward", "ddp"), ("grpo", "ddp")]
+DATAMODULE_VALIDATION_CASES = [
+    ("sft", "fsdp2"), ("sft-stream", "fsdp2"), ("dpo", "fsdp2"), ("reward", "ddp"), ("grpo", "ddp"),
+]  # fmt: skip
 
 
 def _strategy(name: str) -> Any:
@@ -365,11 +367,16 @@ def _run_validation_case(kind: str, strategy: str, rank: int, out: Path) -> None
 
 def _datamodule(kind: str) -> LightningDataModule:
     """Validation rows that do not divide by two ranks, read through the module's datamodule: 7 SFT rows of
-    different lengths, 7 preference pairs (with their reference log-probabilities), 5 prompts whose scores differ."""
-    if kind == "sft":
+    different lengths (5 streamed), 7 preference pairs (with their reference log-probabilities), 5 prompts whose
+    scores differ."""
+    if kind.startswith("sft"):
         rows = [{"prompt": f"Question {i}:" + " and" * i, "completion": " the answer" + " is here" * (3 * i + 1)}
                 for i in range(14)]  # fmt: skip
         data = datasets.Dataset.from_list(rows)
+        if kind == "sft-stream":  # the first 5 rows, one a batch: 3 batches on one rank, 2 on the other if read apart
+            stream = data.to_iterable_dataset()
+            return SFTDataModule(tokenizer="lit-memtrain/embedded", dataset=stream, streaming=True, val_size=5,
+                                 val_batch_size=1)  # fmt: skip
         return SFTDataModule(tokenizer="lit-memtrain/embedded", dataset=data, val_size=0.5, val_batch_size=2)
     if kind in ("dpo", "reward"):
         rows = [{**make_preference(random.Random(i)), "ref_chosen_logps": -30.0 + i, "ref_rejected_logps": -25.0 - i}
@@ -383,13 +390,15 @@ def _datamodule(kind: str) -> LightningDataModule:
 
 
 class ScoredRows(Callback):
-    """What this rank's validation batches give the metrics: SFT targets (labels not ``IGNORE_INDEX``), pairs or
-    prompts (but those a batch marks as not scored)."""
+    """This rank's validation batches, and what they give the metrics: SFT targets (labels not ``IGNORE_INDEX``),
+    pairs or prompts (but those a batch marks as not scored)."""
 
     def __init__(self) -> None:
         self.count = 0
+        self.batches = 0
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self.batches += 1
         if "labels" in batch and "num_pairs" not in batch:
             self.count += int((batch["labels"] != IGNORE_INDEX).sum())
         else:
@@ -400,9 +409,9 @@ class ScoredRows(Callback):
 def _run_datamodule_validation_case(kind: str, strategy: str, rank: int, out: Path) -> None:
     scored = ScoredRows()
     trainer = _trainer([scored], devices=WORLD, strategy=_strategy(strategy))
-    trainer.validate(_module(kind), datamodule=_datamodule(kind), verbose=False)
+    trainer.validate(_module(kind.removesuffix("-stream")), datamodule=_datamodule(kind), verbose=False)
     metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
-    result = {"metrics": metrics, "batches": trainer.num_val_batches, "scored": scored.count}
+    result = {"metrics": metrics, "batches": scored.batches, "scored": scored.count}
     torch.save(result, out / f"val-datamodule-{kind}-{rank}.pt")
 
 
@@ -506,9 +515,11 @@ def _assert_validation_metrics_of_the_whole_set(kind: str, two_ranks: Path) -> d
     return expected
 
 
-# Each kind's validation rows, its batches on one process and on each of two ranks (one rank's last row a repeat that
-# evens them out), and what the metrics count: SFT's targets, pairs, prompts.
-DATAMODULE_VALIDATION = {"sft": (7, 4, 2, 665), "dpo": (7, 4, 2, 7), "reward": (7, 4, 2, 7), "grpo": (5, 3, 2, 5)}
+# Each kind's validation batches on one process and on each of two ranks (one rank's last row a repeat that evens
+# them out), and what the metrics count: SFT's targets, pairs, prompts.
+DATAMODULE_VALIDATION = {
+    "sft": (4, 2, 665), "sft-stream": (5, 3, 175), "dpo": (4, 2, 7), "reward": (4, 2, 7), "grpo": (3, 2, 5),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize(("kind", "strategy"), DATAMODULE_VALIDATION_CASES)
@@ -519,15 +530,15 @@ def test_validation_through_the_datamodule_scores_each_row_once(kind, strategy, 
     (SFT: 748 targets for 665)."""
     for error in sorted(two_ranks.glob(f"val-datamodule-{kind}.rank*.error")):
         pytest.fail(f"the two-rank validation through the datamodule failed on {error.stem}:\n{error.read_text()}")
-    rows, batches, rank_batches, targets = DATAMODULE_VALIDATION[kind]
-    datamodule, scored = _datamodule(kind), ScoredRows()
+    batches, rank_batches, targets = DATAMODULE_VALIDATION[kind]
+    scored = ScoredRows()
     trainer = _trainer([scored], devices=1)
-    expected = trainer.validate(_module(kind), datamodule=datamodule, verbose=False)[0]
-    assert len(datamodule.val_dataset) == rows and trainer.num_val_batches == [batches] and scored.count == targets
-    assert set(expected) == {f"val/{name}" for name in VALIDATION_METRICS[kind]}
+    expected = trainer.validate(_module(kind.removesuffix("-stream")), datamodule=_datamodule(kind), verbose=False)[0]
+    assert (scored.batches, scored.count) == (batches, targets)
+    assert set(expected) == {f"val/{name}" for name in VALIDATION_METRICS[kind.removesuffix("-stream")]}
     ranks = [torch.load(two_ranks / f"val-datamodule-{kind}-{rank}.pt", weights_only=True) for rank in range(WORLD)]
     assert sum(got["scored"] for got in ranks) == targets  # every target once, none twice
     for rank, got in enumerate(ranks):
-        assert got["batches"] == [rank_batches]
+        assert got["batches"] == rank_batches
         for name, value in expected.items():
             assert got["metrics"][name] == pytest.approx(value, rel=1e-5, abs=1e-6), f"rank {rank}: {name}"
