@@ -57,7 +57,12 @@ from lit_memtrain.objectives.policy_loss import LOSS_TYPES, PolicyLoss, PolicyLo
 from lit_memtrain.objectives.reward_functions import RewardFunctions, TrainerState
 from lit_memtrain.objectives.rollout import Rollout, scoring_batch
 from lit_memtrain.parallel.fsdp import is_sharded, run_inside_forward
-from lit_memtrain.techniques.logprobs import chunked_token_log_probs, token_log_probs
+from lit_memtrain.techniques.logprobs import (
+    chunked_token_log_probs,
+    chunked_token_log_probs_and_entropies,
+    token_entropies,
+    token_log_probs,
+)
 
 __all__ = ["GRPOModule"]
 
@@ -73,6 +78,8 @@ class _StepStats:
     kl: list[Tensor] = field(default_factory=list)
     low_per_completion: list[Tensor] = field(default_factory=list)
     high_per_completion: list[Tensor] = field(default_factory=list)
+    entropy: list[Tensor] = field(default_factory=list)  # the policy's entropy summed over the trained tokens
+    entropy_tokens: list[Tensor] = field(default_factory=list)
 
 
 def _check_positive_int(name: str, value: Any, minimum: int = 1) -> None:
@@ -124,10 +131,11 @@ class GRPOModule(CausalLMModule):
     Logged (``train/``, TRL's names): ``reward``, ``reward_std``, ``rewards/<function>/mean`` and ``/std``,
     ``frac_reward_zero_std``, ``completions/{mean,min,max}_length``, ``completions/clipped_ratio``,
     ``completions/{mean,min,max}_terminated_length``, ``kl`` (``beta != 0``), ``clip_ratio/{low_mean,low_min,
-    high_mean,high_max,region_mean}``, ``loss``, ``tokens`` (trained tokens) and the throughput; ``val/reward``,
-    ``val/rewards/<function>/mean`` and ``val/completions/mean_length`` on validation prompts, over the whole
-    validation set (every rank's completions, whatever each rank's number of prompts). Not logged: ``entropy`` (it
-    needs a second pass over the LM head).
+    high_mean,high_max,region_mean}``, ``entropy`` (the policy's, in nats, at the sampling temperature, over the
+    trained completion tokens; the chunked loss measures it in its chunks of logits, at no extra memory), ``loss``,
+    ``tokens`` (trained tokens) and the throughput; ``val/reward``, ``val/rewards/<function>/mean`` and
+    ``val/completions/mean_length`` on validation prompts, over the whole validation set (every rank's
+    completions, whatever each rank's number of prompts).
 
     Example:
         >>> module = GRPOModule(preset="tiny-qwen3", tokenizer="lit-memtrain/embedded", reward_funcs=[accuracy])
@@ -341,7 +349,18 @@ class GRPOModule(CausalLMModule):
     def completion_logps(self, rollout: Rollout, model: nn.Module | None = None) -> Tensor:
         """``[N, width]`` log-probabilities of ``rollout``'s completion tokens at the sampling temperature, under
         ``model`` (the policy by default), 0 off the completion mask."""
-        model = self.model if model is None else model
+        return self._score_completions(rollout, self.model if model is None else model, with_entropy=False)[0]
+
+    def completion_logps_and_entropies(self, rollout: Rollout) -> tuple[Tensor, Tensor]:
+        """:meth:`completion_logps` under the policy, and the entropy (nats, no gradient) of the policy's
+        distribution at each of those tokens at the sampling temperature (TRL's ``entropy``), 0 off the mask."""
+        logps, entropy = self._score_completions(rollout, self.model, with_entropy=True)
+        assert entropy is not None
+        return logps, entropy
+
+    def _score_completions(
+        self, rollout: Rollout, model: nn.Module, with_entropy: bool
+    ) -> tuple[Tensor, Tensor | None]:
         batch, positions = scoring_batch(rollout, self.tokenizer.pad_token_id, self.hparams.padding_free)
         batch = move_data_to_device(batch, self.device)
         self.run_setup_probes(batch)  # the policy's, once: the reference shares its architecture and attention
@@ -350,17 +369,23 @@ class GRPOModule(CausalLMModule):
         targets = shift_targets(batch["labels"]).flatten()
         temperature = self.sampling.temperature
         if self.hparams.loss_type == "nll":
-            logits = model(**self._model_inputs(batch)).logits.flatten(0, 1)
-            row = token_log_probs(logits / temperature, targets)
+            logits = model(**self._model_inputs(batch)).logits.flatten(0, 1) / temperature
+            row = token_log_probs(logits, targets)
+            chunk_size = self.hparams.loss_chunk_size
+            entropy = token_entropies(logits, targets, chunk_size=chunk_size) if with_entropy else None
         elif is_sharded(model):
-            row = run_inside_forward(model, self._chunked_logps, model, batch, targets, temperature)
+            scores = run_inside_forward(model, self._chunked_logps, model, batch, targets, temperature, with_entropy)
+            row, entropy = scores
         else:
-            row = self._chunked_logps(model, batch, targets, temperature)
-        mask = rollout.completion_mask().to(row.device)
-        return row[positions.to(row.device)] * mask
+            row, entropy = self._chunked_logps(model, batch, targets, temperature, with_entropy)
+        mask, at = rollout.completion_mask().to(row.device), positions.to(row.device)
+        return row[at] * mask, (entropy[at] * mask if with_entropy else None)
 
-    def _chunked_logps(self, model: nn.Module, batch: dict[str, Any], targets: Tensor, temperature: float) -> Tensor:
-        """Token log-probabilities of a batch's targets from ``model``'s final hidden states, in chunks.
+    def _chunked_logps(
+        self, model: nn.Module, batch: dict[str, Any], targets: Tensor, temperature: float, with_entropy: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """Token log-probabilities of a batch's targets from ``model``'s final hidden states, in chunks, and (with
+        ``with_entropy``) the entropy at each.
 
         TRL divides the logits by the temperature after the model's own transform (scale, soft-cap); without a
         soft-cap that is a scale of ``scale / temperature``. With one, only ``temperature == 1`` can be chunked."""
@@ -375,10 +400,11 @@ class GRPOModule(CausalLMModule):
         hidden = outputs.last_hidden_state.flatten(0, 1)
         weight, bias = head_weight(model.get_output_embeddings())
         bias = bias.to(hidden.dtype) if bias is not None else None  # a LoRA head keeps fp32 adapters on a bf16 base
-        return chunked_token_log_probs(
-            hidden, weight.to(hidden.dtype), targets, self.hparams.loss_chunk_size, transform.softcap, bias,
-            transform.scale / temperature,
-        )  # fmt: skip
+        arguments = (hidden, weight.to(hidden.dtype), targets, self.hparams.loss_chunk_size, transform.softcap, bias,
+                     transform.scale / temperature)  # fmt: skip
+        if with_entropy:
+            return chunked_token_log_probs_and_entropies(*arguments)
+        return chunked_token_log_probs(*arguments), None
 
     @torch.no_grad()
     def _no_grad_logps(self, rollout: Rollout, model: nn.Module | None = None) -> Tensor:
@@ -521,15 +547,16 @@ class GRPOModule(CausalLMModule):
     def slice_loss(self, part: Rollout, normalizer: Tensor | None = None) -> PolicyLoss:
         """One micro-batch's loss: its completions scored by the policy (with gradients) in the clipped loss;
         ``normalizer``: :meth:`loss_normalizer`'s."""
-        logps = self.completion_logps(part)
+        logps, entropy = self.completion_logps_and_entropies(part)
         mask = part.completion_mask().to(logps.device)
-        return clipped_policy_loss(
+        out = clipped_policy_loss(
             logps, part.old_logps, part.advantages.to(logps.device), mask, loss_type=self.hparams.policy_loss,
             epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, beta=self.hparams.beta,
             ref_logps=part.ref_logps, bias_correction_kl=self.hparams.use_bias_correction_kl,
             accumulation_steps=self.hparams.gradient_accumulation_steps,
             max_completion_length=self.sampling.max_completion_length, dapo_normalizer=normalizer,
         )  # fmt: skip
+        return replace(out, entropy=entropy)
 
     def _record(self, stats: _StepStats, out: PolicyLoss, part: Rollout) -> None:
         """Add a micro-batch's loss and clip flags to ``stats``: per token, or per completion where the ratio is
@@ -548,6 +575,9 @@ class GRPOModule(CausalLMModule):
         stats.high_per_completion.append((high * mask).sum(-1) / per_completion)
         if out.kl is not None:
             stats.kl.append((out.kl * mask).sum())
+        if out.entropy is not None:  # over the trained tokens, whatever the flags count over
+            stats.entropy.append(out.entropy.sum())
+            stats.entropy_tokens.append(part.completion_mask().sum().to(out.entropy.device))
 
     def _loss_metrics(self, stats: _StepStats) -> dict[str, Tensor]:
         passes = self.steps_per_generation * self.hparams.num_iterations
@@ -566,6 +596,9 @@ class GRPOModule(CausalLMModule):
         }
         if stats.kl:
             metrics["kl"] = self._sum_over_ranks(torch.stack(stats.kl).sum()) / counted
+        if stats.entropy:
+            tokens = self._sum_over_ranks(torch.stack(stats.entropy_tokens).sum()).clamp(min=1)
+            metrics["entropy"] = self._sum_over_ranks(torch.stack(stats.entropy).sum()) / tokens
         return metrics
 
     # ----------------------------------------------------------------------------------------- steps

@@ -53,6 +53,8 @@ class PolicyLoss:
         low_clipped, high_clipped: where ``rho < 1 - epsilon_low`` with ``A < 0`` / ``rho > 1 + epsilon_high`` with
             ``A > 0`` (the clip binds), shaped like ``ratio``.
         kl: the per-token KL term (before ``beta``), ``[B, T]``; ``None`` without a reference.
+        entropy: the policy's entropy at each token, ``[B, T]``, 0 off the mask, where the caller measured it with
+            the log-probabilities (no gradient; logged, not trained on).
     """
 
     loss: Tensor
@@ -60,6 +62,7 @@ class PolicyLoss:
     low_clipped: Tensor
     high_clipped: Tensor
     kl: Tensor | None = None
+    entropy: Tensor | None = None
 
 
 def k3_kl(logps: Tensor, ref_logps: Tensor) -> Tensor:

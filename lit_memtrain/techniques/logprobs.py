@@ -29,7 +29,7 @@ from lit_memtrain.techniques.lm_head import (
     validate_targets,
 )
 
-__all__ = ["chunked_token_log_probs", "token_log_probs"]
+__all__ = ["chunked_token_log_probs", "chunked_token_log_probs_and_entropies", "token_entropies", "token_log_probs"]
 
 
 def token_log_probs(logits: Tensor, targets: Tensor, softcap: float | None = None, scale: float = 1.0) -> Tensor:
@@ -51,23 +51,30 @@ def token_log_probs(logits: Tensor, targets: Tensor, softcap: float | None = Non
 
 
 class _ChunkedTokenLogProbs(torch.autograd.Function):
-    """Log-probabilities of ``kept_targets`` at rows ``kept_rows`` of ``hidden``, a chunk of logits at a time."""
+    """Log-probabilities of ``kept_targets`` at rows ``kept_rows`` of ``hidden``, a chunk of logits at a time, and
+    (``with_entropy``) the entropy of each of those rows' distributions, without gradient (empty otherwise)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, kept_rows, kept_targets, chunk_size, softcap, scale):
-        logps, lses = [], []
+    def forward(ctx, hidden, weight, bias, kept_rows, kept_targets, chunk_size, softcap, scale, with_entropy):
+        logps, lses, entropies = [], [], []
         for start in range(0, kept_rows.shape[0], chunk_size):
             rows = kept_rows[start : start + chunk_size]
             logits = chunk_logits(hidden.index_select(0, rows), weight, bias, softcap, scale)
             lse = torch.logsumexp(logits, dim=1)
             logps.append(logits.gather(1, kept_targets[start : start + chunk_size].unsqueeze(1)).squeeze(1) - lse)
             lses.append(lse)
+            if with_entropy:  # -sum p log p, in place: the chunk's logits are not needed again (backward recomputes)
+                probs = logits.sub_(lse.unsqueeze(1)).exp_()
+                entropies.append(probs.xlogy_(probs).sum(1).neg_())
         ctx.save_for_backward(hidden, weight, bias, kept_rows, kept_targets, torch.cat(lses) if lses else None)
         ctx.chunk_size, ctx.softcap, ctx.scale = chunk_size, softcap, scale
-        return torch.cat(logps) if logps else hidden.new_zeros(0, dtype=torch.float32)
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        entropy = torch.cat(entropies) if entropies else empty.clone()
+        ctx.mark_non_differentiable(entropy)
+        return torch.cat(logps) if logps else empty, entropy
 
     @staticmethod
-    def backward(ctx, grad_logps: Tensor):
+    def backward(ctx, grad_logps: Tensor, grad_entropy: Tensor | None):
         hidden, weight, bias, kept_rows, kept_targets, lse = ctx.saved_tensors
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.zeros_like(hidden) if needs_hidden else None
@@ -90,7 +97,7 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
             grad_hidden,
             None if grad_weight is None else grad_weight.to(weight.dtype),
             None if grad_bias is None else grad_bias.to(bias.dtype),
-            None, None, None, None, None,
+            None, None, None, None, None, None,
         )
 
 
@@ -122,6 +129,58 @@ def chunked_token_log_probs(
         >>> logps = chunked_token_log_probs(hidden, model.lm_head.weight, targets.flatten())  # doctest: +SKIP
         >>> sequence_logps = logps.view_as(targets).sum(-1)  # doctest: +SKIP
     """
+    return _chunked(hidden, weight, targets, chunk_size, softcap, bias, scale, with_entropy=False)[0]
+
+
+def chunked_token_log_probs_and_entropies(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    chunk_size: int = 1024,
+    softcap: float | None = None,
+    bias: Tensor | None = None,
+    scale: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """:func:`chunked_token_log_probs`, and the entropy (nats) of each kept row's distribution over the vocabulary,
+    as :func:`token_entropies` gives it, without gradient: what online RL logs of the tokens it trains (TRL's
+    ``entropy``). The entropy costs one exp and one product-sum over each chunk's logits, in place: no more memory.
+
+    Returns:
+        [N] fp32 log-probabilities and [N] fp32 entropies, both 0 at ignored rows.
+    """
+    return _chunked(hidden, weight, targets, chunk_size, softcap, bias, scale, with_entropy=True)
+
+
+def token_entropies(
+    logits: Tensor, targets: Tensor, softcap: float | None = None, scale: float = 1.0, chunk_size: int = 1024
+) -> Tensor:
+    """``-sum softmax(z) log softmax(z)`` per row of the transformed logits ``z`` (fp32, no gradient), 0 where the
+    target is -100: the entropy at the positions :func:`token_log_probs` scores. ``chunk_size`` rows at a time, so
+    that only a chunk's fp32 copy of the logits is made; a ``-inf`` logit adds 0, as in the chunked path."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be 2-D [N, V], got shape {tuple(logits.shape)}. Flatten batch and sequence.")
+    validate_targets(targets, logits.shape[0])
+    validate_logit_transform(softcap, scale)
+    entropies = []
+    with torch.no_grad():
+        for rows in logits.split(chunk_size):
+            chunk = transform_logits(rows.float(), softcap, scale)
+            probs = (chunk - torch.logsumexp(chunk, dim=1, keepdim=True)).exp_()
+            entropies.append(probs.xlogy_(probs).sum(1).neg_())
+    entropy = torch.cat(entropies) if entropies else logits.new_zeros(0, dtype=torch.float32)
+    return entropy.masked_fill(targets == IGNORE_INDEX, 0.0)
+
+
+def _chunked(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    chunk_size: int,
+    softcap: float | None,
+    bias: Tensor | None,
+    scale: float,
+    with_entropy: bool,
+) -> tuple[Tensor, Tensor]:
     if hidden.dim() != 2 or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
         raise ValueError(
             f"hidden must be [N, H] and weight [V, H], got {tuple(hidden.shape)} and {tuple(weight.shape)}."
@@ -140,7 +199,11 @@ def chunked_token_log_probs(
     kept_rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)
     autocast_off = torch.autocast(device_type, enabled=False) if compute_dtype else contextlib.nullcontext()
     with autocast_off:
-        kept = _ChunkedTokenLogProbs.apply(
-            hidden, weight, bias, kept_rows, targets.index_select(0, kept_rows), chunk_size, softcap, scale
-        )
-    return kept.new_zeros(targets.shape[0]).index_copy(0, kept_rows, kept)
+        kept, entropy = _ChunkedTokenLogProbs.apply(
+            hidden, weight, bias, kept_rows, targets.index_select(0, kept_rows), chunk_size, softcap, scale,
+            with_entropy,
+        )  # fmt: skip
+    logps = kept.new_zeros(targets.shape[0]).index_copy(0, kept_rows, kept)
+    if not with_entropy:
+        return logps, entropy
+    return logps, entropy.new_zeros(targets.shape[0]).index_copy(0, kept_rows, entropy)

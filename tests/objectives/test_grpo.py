@@ -95,7 +95,7 @@ def _grads(module: GRPOModule) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
 
 
-def test_padding_free_equals_padded_and_chunked_equals_plain_log_probabilities(saved_model):
+def test_padding_free_equals_padded_and_chunked_equals_plain_log_probabilities_and_entropies(saved_model):
     results = []
     for options in ({}, {"padding_free": False}, {"loss_type": "nll"}, {"loss_chunk_size": 3}):
         module = _attach_trainer(_module(saved_model, beta=0.1, temperature=0.7, policy_loss="grpo", **options))
@@ -103,10 +103,12 @@ def test_padding_free_equals_padded_and_chunked_equals_plain_log_probabilities(s
         rollout = _rollout()
         out = module.slice_loss(rollout, module.loss_normalizer(rollout))
         out.loss.backward()
-        results.append((out.loss, _grads(module)))
-    (loss, grads), *others = results
-    for other_loss, other_grads in others:
+        results.append((out.loss, _grads(module), out.entropy))
+    (loss, grads, entropy), *others = results
+    assert entropy.count_nonzero() == _rollout().completion_mask().count_nonzero()  # every trained token, only those
+    for other_loss, other_grads, other_entropy in others:
         torch.testing.assert_close(other_loss, loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(other_entropy, entropy, rtol=1e-5, atol=1e-6)
         assert other_grads.keys() == grads.keys()
         for name, grad in grads.items():
             torch.testing.assert_close(other_grads[name], grad, rtol=1e-4, atol=1e-6 * float(grad.abs().max()))
@@ -155,11 +157,13 @@ def test_the_frozen_reference_keeps_the_initial_weights_and_stays_out_of_checkpo
 def test_optimizer_steps_iterations_and_slices_follow_trl(saved_model, options, max_steps, batches, off_policy):
     module = _module(saved_model, reward_funcs=[_token_sum], **options)
     ratios: list[torch.Tensor] = []
+    entropies: list[tuple[float, float]] = []  # each micro-batch's entropy summed over its trained tokens, and those
     slice_loss = module.slice_loss
 
     def recording(part, normalizer=None):
         out = slice_loss(part, normalizer)
         ratios.append(out.ratio[part.completion_mask().bool()])
+        entropies.append((float(out.entropy.sum()), float(part.completion_mask().sum())))
         return out
 
     module.slice_loss = recording
@@ -175,6 +179,10 @@ def test_optimizer_steps_iterations_and_slices_follow_trl(saved_model, options, 
             torch.testing.assert_close(ratio, torch.ones_like(ratio), rtol=0, atol=1e-5)
         else:  # an optimizer step since: off-policy, rho moves away from 1
             assert (ratio - 1).abs().max() > 1e-4
+    for batch, metrics in enumerate(record.metrics):  # the entropy over every token a generation batch trained
+        passes_of_batch = entropies[batch * passes : (batch + 1) * passes]
+        expected = sum(e for e, _ in passes_of_batch) / sum(n for _, n in passes_of_batch)
+        assert metrics["train/entropy"] == pytest.approx(expected, rel=1e-6)
 
 
 def test_memory_callbacks_train_as_without_them(saved_model):
@@ -187,7 +195,7 @@ def test_memory_callbacks_train_as_without_them(saved_model):
         runs.append((record.metrics, {n: p.detach().clone() for n, p in module.model.named_parameters()}))
     (metrics, weights), (other_metrics, other_weights) = runs
     for step, other in zip(metrics, other_metrics):  # the same completions, rewards and losses
-        for name in ("train/reward", "train/completions/mean_length", "train/loss", "train/kl"):
+        for name in ("train/reward", "train/completions/mean_length", "train/loss", "train/kl", "train/entropy"):
             assert other[name] == pytest.approx(step[name], rel=1e-4, abs=1e-6), name
     for name, weight in weights.items():
         torch.testing.assert_close(other_weights[name], weight, rtol=1e-3, atol=1e-3 * float(weight.abs().max()))
@@ -196,6 +204,15 @@ def test_memory_callbacks_train_as_without_them(saved_model):
 def test_rloo_trains_with_its_kl_penalty_and_validation_logs_rewards(saved_model):
     module = _module(saved_model, cls=RLOOModule, num_generations=3)
     assert module.hparams.beta == 0.05 and "policy_loss" not in module.hparams
+    entropies: list[tuple[float, float]] = []  # each batch's entropy summed over its trained tokens, and those
+    slice_loss = module.slice_loss
+
+    def recording(part, normalizer=None):
+        out = slice_loss(part, normalizer)
+        entropies.append((float(out.entropy.sum()), float(part.completion_mask().sum())))
+        return out
+
+    module.slice_loss = recording
     record = Record()
     trainer = Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, callbacks=[record], val_check_interval=2,
@@ -203,6 +220,9 @@ def test_rloo_trains_with_its_kl_penalty_and_validation_logs_rewards(saved_model
     trainer.fit(module, datamodule=PromptDataModule(dataset=_prompts(), batch_size=2, val_size=2, seed=0))
     assert record.metrics[0]["train/kl"] == pytest.approx(0.0, abs=1e-6)
     assert all(torch.isfinite(torch.tensor(m["train/loss"])) for m in record.metrics)
+    assert len(entropies) == len(record.metrics)  # one slice a batch
+    for (entropy, tokens), metrics in zip(entropies, record.metrics):  # per token; RLOO's ratios are per completion
+        assert metrics["train/entropy"] == pytest.approx(entropy / tokens, rel=1e-6)
     assert 0 <= float(trainer.callback_metrics["val/reward"]) <= 1
     assert "val/rewards/_digits/mean" in trainer.callback_metrics
 

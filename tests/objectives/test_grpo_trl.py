@@ -2,13 +2,15 @@
 
 - One micro-batch's loss and gradients equal ``GRPOTrainer._compute_loss`` (every loss type, beta 0 and 0.1,
   temperature 1.0 and 0.7) and ``RLOOTrainer._compute_loss``, on the same model, prompts and completions, with
-  perturbed sampling log-probabilities so that the clip binds.
+  perturbed sampling log-probabilities so that the clip binds; and the entropy each logs.
 - One generation batch (completions fixed, rewards with ``None``, weights, a truncated completion) gives TRL's
   advantages, masks and reference log-probabilities (``_generate_and_score_completions``).
 - The prompts' token ids equal TRL's (``_tokenize_prompts``).
 """
 
 from __future__ import annotations
+
+import math
 
 import datasets
 import pytest
@@ -155,6 +157,14 @@ def test_one_micro_batch_equals_trl_grpo_compute_loss(saved_model, tokenizer, tm
     torch.testing.assert_close(out.loss, trl_loss, rtol=1e-4, atol=1e-6)
     _assert_same_grads(_grads(module), trl_model)
     assert out.low_clipped.any() or out.high_clipped.any()  # the perturbation made the clip bind
+    _assert_trls_entropy(module, out, rollout, trl)
+
+
+def _assert_trls_entropy(module: GRPOModule, out, rollout: Rollout, trl) -> None:
+    """The entropy of the trained tokens (from the training forward's chunks of logits) is TRL's."""
+    entropy = float(out.entropy.sum() / rollout.completion_mask().sum())
+    assert entropy == pytest.approx(trl._metrics["train"]["entropy"][-1], rel=1e-5)
+    assert 0 < entropy < math.log(module.model.config.vocab_size)
 
 
 def test_one_micro_batch_equals_trl_rloo_compute_loss(saved_model, tokenizer, tmp_path):
@@ -189,6 +199,7 @@ def test_one_micro_batch_equals_trl_rloo_compute_loss(saved_model, tokenizer, tm
     torch.testing.assert_close(out.loss, trl_loss, rtol=1e-4, atol=1e-6)
     _assert_same_grads(_grads(module), trl_model)
     assert out.low_clipped.any() or out.high_clipped.any()
+    _assert_trls_entropy(module, out, rollout, trl)
 
 
 class FixedCompletions(GenerationBackend):

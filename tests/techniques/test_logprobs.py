@@ -1,10 +1,16 @@
-"""Chunked token log-probabilities equal the plain ones computed from full logits, in value and gradients."""
+"""Chunked token log-probabilities equal the plain ones computed from full logits, in value and gradients; the
+entropies measured beside them equal those of the full logits and change neither."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from lit_memtrain.techniques.logprobs import chunked_token_log_probs, token_log_probs
+from lit_memtrain.techniques.logprobs import (
+    chunked_token_log_probs,
+    chunked_token_log_probs_and_entropies,
+    token_entropies,
+    token_log_probs,
+)
 
 
 def _inputs(bias: bool, rows: int = 37, hidden: int = 16, vocab: int = 50):
@@ -34,6 +40,40 @@ def test_chunked_log_probs_equal_plain_ones_with_gradients(chunk_size, softcap, 
     for got, want in zip([t.grad for t in (h, w, b) if t is not None], expected):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
     assert (chunked[targets == -100] == 0).all()
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 1024])
+@pytest.mark.parametrize(("softcap", "scale", "bias"), [(None, 1.0, False), (3.0, 0.5, True), (None, 1 / 0.7, True)])
+def test_chunked_entropies_equal_those_of_the_full_logits_and_leave_the_log_probs_and_gradients_alone(
+    chunk_size, softcap, scale, bias
+):
+    h, w, b, targets = _inputs(bias)
+    weights = torch.randn(h.shape[0])
+    alone = chunked_token_log_probs(h, w, targets, chunk_size, softcap, b, scale)
+    expected = torch.autograd.grad((alone * weights).sum(), [t for t in (h, w, b) if t is not None])
+    logps, entropies = chunked_token_log_probs_and_entropies(h, w, targets, chunk_size, softcap, b, scale)
+    grads = torch.autograd.grad((logps * weights).sum(), [t for t in (h, w, b) if t is not None])
+    assert torch.equal(logps, alone) and all(torch.equal(g, e) for g, e in zip(grads, expected))
+    plain = token_entropies(F.linear(h, w, b), targets, softcap, scale)
+    torch.testing.assert_close(entropies, plain, rtol=1e-5, atol=1e-6)
+    scaled = F.linear(h, w, b) * scale
+    transformed = scaled if softcap is None else torch.tanh(scaled / softcap) * softcap
+    by_definition = torch.distributions.Categorical(logits=transformed).entropy().detach()
+    kept = targets != -100
+    torch.testing.assert_close(entropies[kept], by_definition[kept], rtol=1e-5, atol=1e-6)
+    assert (entropies[~kept] == 0).all() and not entropies.requires_grad
+
+
+def test_a_token_the_logits_rule_out_adds_no_entropy_on_either_path():
+    """A ``-inf`` logit (a logit bias that bans a token) has probability 0 and adds 0 to the entropy: no NaN."""
+    h, w, _, targets = _inputs(False, rows=6, vocab=4)
+    banned = torch.tensor([0.0, 0.0, 0.0, -float("inf")])
+    plain = token_entropies(F.linear(h, w, banned), targets, chunk_size=4)
+    _, chunked = chunked_token_log_probs_and_entropies(h, w, targets, 4, bias=banned)
+    allowed = token_entropies(F.linear(h, w[:3]), targets)
+    assert torch.isfinite(plain).all() and torch.isfinite(chunked).all()
+    torch.testing.assert_close(plain, allowed)
+    torch.testing.assert_close(chunked, allowed)
 
 
 def test_plain_log_probs_are_log_softmax_at_the_target():
