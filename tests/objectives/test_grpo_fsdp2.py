@@ -1,6 +1,6 @@
 """GRPOModule under FSDP2Strategy (CPU, gloo, 2 forked processes) against one process on the same prompts: the
 completions Hugging Face ``generate`` draws from the sharded model (gathered whole, or layer by layer), the first
-step's gradients and the weights after two steps; with a DAPO loss normalised over both ranks' tokens, a frozen
+step's gradients, the weights after two steps and the logged entropy; with a DAPO loss normalised over both ranks' tokens, a frozen
 reference sharded like the policy, and a LoRA policy whose reference is its base model."""
 
 from __future__ import annotations
@@ -92,7 +92,10 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 class Record(Callback):
     def __init__(self, path: Path) -> None:
-        self.path, self.gradients = path, None
+        self.path, self.gradients, self.entropies = path, None, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.entropies.append(float(trainer.callback_metrics["train/entropy"]))
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.gradients is None:
@@ -102,7 +105,7 @@ class Record(Callback):
         weights = {n: _full(p) for n, p in pl_module.named_parameters()}
         torch.save(pl_module.completions, self.path.with_suffix(f".rank{trainer.global_rank}.completions"))
         if trainer.is_global_zero:
-            torch.save({"gradients": self.gradients, "weights": weights}, self.path)
+            torch.save({"gradients": self.gradients, "weights": weights, "entropies": self.entropies}, self.path)
 
 
 def _trainer(record: Record, **options) -> Trainer:
@@ -164,3 +167,6 @@ def test_sharded_grpo_matches_one_process(tmp_path, variant):
         torch.testing.assert_close(sharded["gradients"][name], grad, rtol=1e-5, atol=1e-5 * float(grad.abs().max()))
     for name, weight in expected["weights"].items():
         torch.testing.assert_close(sharded["weights"][name], weight, rtol=1e-3, atol=1e-3 * float(weight.abs().max()))
+    # The logged entropy is over both ranks' tokens. The random model's entropy is close to log(vocabulary) at every
+    # token, so a rank's own mean is off by only ~6e-6 (relative): the tolerance is below that.
+    assert sharded["entropies"] == pytest.approx(expected["entropies"], rel=1e-6) and len(expected["entropies"]) == STEPS
