@@ -1,7 +1,7 @@
 """GRPOModule under FSDP2Strategy (CPU, gloo, 2 forked processes) against one process on the same prompts: the
 completions Hugging Face ``generate`` draws from the sharded model (gathered whole, or layer by layer), the first
-step's gradients, the weights after two steps and the logged entropy; with a DAPO loss normalised over both ranks' tokens, a frozen
-reference sharded like the policy, and a LoRA policy whose reference is its base model."""
+step's gradients, the weights after two steps and the logged entropy; with a DAPO loss normalised over both ranks'
+tokens, a frozen reference sharded like the policy, and a LoRA policy whose reference is its base model."""
 
 from __future__ import annotations
 
@@ -169,4 +169,5 @@ def test_sharded_grpo_matches_one_process(tmp_path, variant):
         torch.testing.assert_close(sharded["weights"][name], weight, rtol=1e-3, atol=1e-3 * float(weight.abs().max()))
     # The logged entropy is over both ranks' tokens. The random model's entropy is close to log(vocabulary) at every
     # token, so a rank's own mean is off by only ~6e-6 (relative): the tolerance is below that.
-    assert sharded["entropies"] == pytest.approx(expected["entropies"], rel=1e-6) and len(expected["entropies"]) == STEPS
+    assert len(expected["entropies"]) == STEPS
+    assert sharded["entropies"] == pytest.approx(expected["entropies"], rel=1e-6)
