@@ -15,6 +15,7 @@ help is plain text (:mod:`lit_memtrain.cli.help_text`) and the model given last 
 
 from __future__ import annotations
 
+import importlib
 import sys
 from argparse import ArgumentError
 from pathlib import Path
@@ -24,6 +25,7 @@ import yaml
 from lightning.pytorch import LightningDataModule, Trainer
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, LRSchedulerTypeTuple
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities import rank_zero_info
 from torch.optim import Optimizer
 
@@ -105,6 +107,11 @@ class MemTrainCLI(LightningCLI):
         except ArgumentError as error:
             parsers = [parser, *getattr(self, "_subcommand_parsers", {}).values()]
             raise ArgumentError(None, explain_parse_error(str(error), parser_keys(*parsers))) from error
+        # A strategy's import path alone is the class, as the plan reads it (_strategy_class says why).
+        section = self.config[self.config.subcommand] if self.config.get("subcommand") else self.config
+        strategy = section.get("trainer.strategy")
+        if isinstance(strategy, str) and _strategy_class(strategy) is not None:
+            section["trainer.strategy"] = Namespace(class_path=strategy, init_args=Namespace())
 
     def before_instantiate_classes(self) -> None:
         section = self.config[self.subcommand] if self.subcommand else self.config
@@ -178,3 +185,18 @@ def run_fit(argv: list[str]) -> None:
             parser_kwargs={"prog": "lit-memtrain", **parser_kwargs, **dict.fromkeys(FIT_SUBCOMMANDS, parser_kwargs)},
             args=argv,
         )
+
+
+def _strategy_class(name: str) -> type | None:
+    """The ``Strategy`` class that ``name`` is the import path of (``lit_memtrain.strategies.FSDP2Strategy``), or
+    None for a registered name (``ddp``) or anything else. jsonargparse reads such a path given alone
+    (``--trainer.strategy=lit_memtrain.strategies.FSDP2Strategy``, or ``strategy:`` in a config) as a plain string,
+    which Lightning then refuses as an unknown strategy name; the plan reads it as the class."""
+    module_name, _, class_name = name.rpartition(".")
+    if not module_name:
+        return None
+    try:
+        found = getattr(importlib.import_module(module_name), class_name, None)
+    except ImportError:
+        return None
+    return found if isinstance(found, type) and issubclass(found, Strategy) else None
