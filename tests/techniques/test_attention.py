@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from equivalence import TINY_MODEL_TERMS, assert_each_equal_up_to_rounding, assert_equal_up_to_rounding
 from transformers import AutoConfig, AutoModelForCausalLM, StaticCache
 
 from lit_memtrain import CausalLMModule
@@ -39,7 +40,7 @@ def test_packed_row_equals_documents_run_alone(preset: str, bounds_from: str) ->
         alone = [model(input_ids=doc["input_ids"][None], use_cache=False).logits[0] for doc in docs]
         mixed = model(input_ids=batch["input_ids"], use_cache=False).logits[0]  # no restarts: one document
     real = sum(DOCUMENT_LENGTHS)
-    torch.testing.assert_close(packed[:real], torch.cat(alone), atol=1e-5, rtol=0)
+    assert_equal_up_to_rounding(packed[:real], torch.cat(alone), name="logits", terms=TINY_MODEL_TERMS)
     assert (mixed[DOCUMENT_LENGTHS[0] : real] - torch.cat(alone[1:])).abs().max() > 1e-2
 
 
@@ -49,11 +50,11 @@ def test_padded_batches_and_generation_match_sdpa() -> None:
     attention_mask = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]])  # left padding
     with torch.no_grad():
         for kwargs in ({}, {"attention_mask": attention_mask}):
-            torch.testing.assert_close(
+            assert_equal_up_to_rounding(
                 ours(input_ids=input_ids, use_cache=False, **kwargs).logits,
                 reference(input_ids=input_ids, use_cache=False, **kwargs).logits,
-                atol=1e-5,
-                rtol=0,
+                name="logits",
+                terms=TINY_MODEL_TERMS,
             )
     settings = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
     generated = ours.generate(input_ids=input_ids, attention_mask=attention_mask, **settings)
@@ -63,12 +64,13 @@ def test_padded_batches_and_generation_match_sdpa() -> None:
         cached = ours(input_ids=input_ids[:, :4], use_cache=True)
         step = ours(input_ids=input_ids[:, 4:], past_key_values=cached.past_key_values, use_cache=True).logits
         full = reference(input_ids=input_ids, use_cache=False).logits[:, 4:]
-    torch.testing.assert_close(step, full, atol=1e-5, rtol=0)
+    assert_equal_up_to_rounding(step, full, name="cached logits", terms=TINY_MODEL_TERMS)
 
     with torch.no_grad():  # a static cache has more key slots than tokens so far
         cache = StaticCache(config=ours.config, max_cache_len=16)
         prefilled = ours(input_ids=input_ids, past_key_values=cache, use_cache=True).logits
-    torch.testing.assert_close(prefilled, reference(input_ids=input_ids, use_cache=False).logits, atol=1e-5, rtol=0)
+    full = reference(input_ids=input_ids, use_cache=False).logits
+    assert_equal_up_to_rounding(prefilled, full, name="static cache logits", terms=TINY_MODEL_TERMS)
 
 
 def test_module_trains_packed_rows_like_sdpa() -> None:
@@ -83,9 +85,9 @@ def test_module_trains_packed_rows_like_sdpa() -> None:
         loss = module.compute_loss(batch)
         loss.backward()
         losses[attention] = loss.detach()
-        gradients[attention] = torch.cat([p.grad.flatten() for p in module.model.parameters()])
-    torch.testing.assert_close(losses[SDPA_BY_DOCUMENT], losses["sdpa"], atol=1e-6, rtol=0)
-    torch.testing.assert_close(gradients[SDPA_BY_DOCUMENT], gradients["sdpa"], atol=1e-6, rtol=0)
+        gradients[attention] = {name: p.grad for name, p in module.model.named_parameters()}
+    assert_equal_up_to_rounding(losses[SDPA_BY_DOCUMENT], losses["sdpa"], name="loss", terms=TINY_MODEL_TERMS)
+    assert_each_equal_up_to_rounding(gradients[SDPA_BY_DOCUMENT], gradients["sdpa"], terms=TINY_MODEL_TERMS)
 
 
 @pytest.mark.parametrize(
@@ -100,11 +102,11 @@ def test_attention_other_than_plain_causal_is_left_to_sdpa(overrides: dict) -> N
     batch = PaddingFreeCollator()(documents(ours.config.vocab_size))
     with torch.no_grad():
         for position_ids in (batch["position_ids"], None):
-            torch.testing.assert_close(
+            assert_equal_up_to_rounding(
                 ours(input_ids=batch["input_ids"], position_ids=position_ids, use_cache=False).logits,
                 reference(input_ids=batch["input_ids"], position_ids=position_ids, use_cache=False).logits,
-                atol=1e-5,
-                rtol=0,
+                name="logits",
+                terms=TINY_MODEL_TERMS,
             )
 
 
@@ -113,11 +115,11 @@ def test_documents_start_wherever_positions_do_not_continue() -> None:
     input_ids = torch.randint(0, ours.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(3))
     position_ids = torch.tensor([[0, 1, 2, 3, 100, 101, 102, 103, 104, 105], [5, 6, 7, 0, 1, 2, 3, 4, 0, 1]])
     with torch.no_grad():
-        torch.testing.assert_close(
+        assert_equal_up_to_rounding(
             ours(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits,
             reference(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits,
-            atol=1e-5,
-            rtol=0,
+            name="logits",
+            terms=TINY_MODEL_TERMS,
         )
 
 
@@ -181,7 +183,7 @@ def test_grouped_heads_wider_than_256_and_empty_documents() -> None:
     with torch.no_grad():
         ours = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], cu_seq_lens_q=bounds, use_cache=False)
         theirs = reference(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
-    torch.testing.assert_close(ours.logits, theirs.logits, atol=1e-5, rtol=0)
+    assert_equal_up_to_rounding(ours.logits, theirs.logits, name="logits", terms=TINY_MODEL_TERMS)
 
 
 SMALL = {
@@ -209,7 +211,7 @@ def test_documents_stay_apart_in_layers_that_never_see_position_ids(model_type: 
     with torch.no_grad():
         packed = ours(input_ids=torch.cat([first, second])[None], position_ids=position_ids, use_cache=False)
         alone = ours(input_ids=second[None], use_cache=False)
-    torch.testing.assert_close(packed.logits[0, 5:], alone.logits[0], atol=1e-5, rtol=0)
+    assert_equal_up_to_rounding(packed.logits[0, 5:], alone.logits[0], name="logits", terms=TINY_MODEL_TERMS)
 
 
 @pytest.mark.parametrize(
@@ -223,11 +225,11 @@ def test_masks_that_are_not_plain_causal_reach_sdpa(model_type: str, overrides: 
     ours, reference = small_pair(model_type, **overrides)
     input_ids = torch.randint(3, 100, (1, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(
+        assert_equal_up_to_rounding(
             ours(input_ids=input_ids, use_cache=False, **inputs).logits,
             reference(input_ids=input_ids, use_cache=False, **inputs).logits,
-            atol=1e-5,
-            rtol=0,
+            name="logits",
+            terms=TINY_MODEL_TERMS,
         )
 
 
@@ -272,11 +274,11 @@ def test_varlen_by_document_puts_a_row_through_one_varlen_call(monkeypatch, caus
     inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
     ours_logits = ours(**inputs, cu_seq_lens_q=bounds).logits
     reference_logits = reference(**inputs).logits
-    torch.testing.assert_close(ours_logits, reference_logits, atol=1e-5, rtol=1e-5)
+    assert_equal_up_to_rounding(ours_logits, reference_logits, name="logits", terms=TINY_MODEL_TERMS)
     ours_logits.square().mean().backward()
     reference_logits.square().mean().backward()
     for (name, a), b in zip(ours.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-4, msg=name)
+        assert_equal_up_to_rounding(a.grad, b.grad, name=name, terms=TINY_MODEL_TERMS)
     assert calls == [[0, 5, 8, 15]] * ours.config.num_hidden_layers  # one call per layer for the whole row
 
 
@@ -284,9 +286,11 @@ def test_varlen_by_document_without_its_kernel_is_sdpa_by_document() -> None:
     ours, reference = build_model(VARLEN_BY_DOCUMENT), build_model(SDPA_BY_DOCUMENT)
     batch = PaddingFreeCollator()(documents(ours.config.vocab_size))
     with torch.no_grad():  # on a CPU (or in fp32) the varlen kernel cannot run: per-document SDPA
-        torch.testing.assert_close(
+        assert_equal_up_to_rounding(
             ours(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits,
             reference(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits,
+            name="logits",
+            terms=TINY_MODEL_TERMS,
         )
 
 

@@ -4,6 +4,7 @@ entropies measured beside them equal those of the full logits and change neither
 import pytest
 import torch
 import torch.nn.functional as F
+from equivalence import assert_equal_up_to_rounding
 
 from lit_memtrain.techniques.logprobs import (
     chunked_token_log_probs,
@@ -11,6 +12,8 @@ from lit_memtrain.techniques.logprobs import (
     token_entropies,
     token_log_probs,
 )
+
+TERMS = 37 + 50 + 16  # the nested sums at _inputs' sizes: over the rows, the vocabulary (log-sum-exp), hidden
 
 
 def _inputs(bias: bool, rows: int = 37, hidden: int = 16, vocab: int = 50):
@@ -36,9 +39,9 @@ def test_chunked_log_probs_equal_plain_ones_with_gradients(chunk_size, softcap, 
             t.grad = None
     chunked = chunked_token_log_probs(h, w, targets, chunk_size, softcap, b, scale)
     (chunked * weights).sum().backward()
-    torch.testing.assert_close(chunked, plain, rtol=1e-5, atol=1e-6)
-    for got, want in zip([t.grad for t in (h, w, b) if t is not None], expected):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    assert_equal_up_to_rounding(chunked, plain, name="log-probs", terms=TERMS)
+    for got, want, name in zip([t.grad for t in (h, w, b) if t is not None], expected, ("h", "w", "b")):
+        assert_equal_up_to_rounding(got, want, name=name, terms=TERMS)
     assert (chunked[targets == -100] == 0).all()
 
 
@@ -55,12 +58,12 @@ def test_chunked_entropies_equal_those_of_the_full_logits_and_leave_the_log_prob
     grads = torch.autograd.grad((logps * weights).sum(), [t for t in (h, w, b) if t is not None])
     assert torch.equal(logps, alone) and all(torch.equal(g, e) for g, e in zip(grads, expected))
     plain = token_entropies(F.linear(h, w, b), targets, softcap, scale)
-    torch.testing.assert_close(entropies, plain, rtol=1e-5, atol=1e-6)
+    assert_equal_up_to_rounding(entropies, plain, name="entropies", terms=TERMS)
     scaled = F.linear(h, w, b) * scale
     transformed = scaled if softcap is None else torch.tanh(scaled / softcap) * softcap
     by_definition = torch.distributions.Categorical(logits=transformed).entropy().detach()
     kept = targets != -100
-    torch.testing.assert_close(entropies[kept], by_definition[kept], rtol=1e-5, atol=1e-6)
+    assert_equal_up_to_rounding(entropies[kept], by_definition[kept], name="entropies", terms=TERMS)
     assert (entropies[~kept] == 0).all() and not entropies.requires_grad
 
 
@@ -72,8 +75,8 @@ def test_a_token_the_logits_rule_out_adds_no_entropy_on_either_path():
     _, chunked = chunked_token_log_probs_and_entropies(h, w, targets, 4, bias=banned)
     allowed = token_entropies(F.linear(h, w[:3]), targets)
     assert torch.isfinite(plain).all() and torch.isfinite(chunked).all()
-    torch.testing.assert_close(plain, allowed)
-    torch.testing.assert_close(chunked, allowed)
+    assert_equal_up_to_rounding(plain, allowed, name="plain", terms=6 + 4 + 16)
+    assert_equal_up_to_rounding(chunked, allowed, name="chunked", terms=6 + 4 + 16)
 
 
 def test_plain_log_probs_are_log_softmax_at_the_target():
@@ -81,7 +84,8 @@ def test_plain_log_probs_are_log_softmax_at_the_target():
     logits = F.linear(h, w, b)
     kept = targets != -100
     expected = F.log_softmax(torch.tanh(logits * 0.5 / 3.0) * 3.0, -1)[kept].gather(1, targets[kept, None]).squeeze(1)
-    torch.testing.assert_close(token_log_probs(logits, targets, softcap=3.0, scale=0.5)[kept], expected)
+    got = token_log_probs(logits, targets, softcap=3.0, scale=0.5)[kept]
+    assert_equal_up_to_rounding(got, expected, name="log-probs", terms=TERMS)
 
 
 def test_no_kept_target_gives_zeros_and_zero_gradients():
@@ -96,7 +100,7 @@ def test_chunked_log_probs_follow_autocast_like_a_plain_linear():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         chunked = chunked_token_log_probs(h, w, targets, 8)
         plain = token_log_probs(F.linear(h, w), targets)
-    torch.testing.assert_close(chunked, plain, rtol=1e-5, atol=1e-5)
+    assert_equal_up_to_rounding(chunked, plain, name="log-probs", terms=TERMS)
 
 
 def test_bad_inputs_are_refused():

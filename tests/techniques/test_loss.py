@@ -8,10 +8,13 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 from torch.profiler._memory_profiler import Action
 
+from equivalence import assert_equal_up_to_rounding
+
 from lit_memtrain.techniques.loss import chunked_cross_entropy, cross_entropy
 from lit_memtrain.datamodules.batch import IGNORE_INDEX
 
 N, H, V = 50, 16, 97
+TERMS = N + V + H  # the loss's nested sums: over the tokens, the vocabulary (log-sum-exp), the hidden size
 
 
 def _inputs(dtype=torch.float32, ignored_fraction=0.3, seed=0, with_bias=True):
@@ -42,9 +45,9 @@ def test_chunked_matches_plain_cross_entropy(chunk_size):
     expected_grads = _grads(expected, hidden, weight, bias)
     loss = chunked_cross_entropy(hidden, weight, targets, chunk_size=chunk_size, bias=bias)
     assert loss.dtype == torch.float32
-    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
-    for got, want in zip(_grads(loss, hidden, weight, bias), expected_grads):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert_equal_up_to_rounding(loss, expected, name="loss", terms=TERMS)
+    for got, want, name in zip(_grads(loss, hidden, weight, bias), expected_grads, ("hidden", "weight", "bias")):
+        assert_equal_up_to_rounding(got, want, name=name, terms=TERMS)
 
 
 def test_ignored_rows_get_zero_hidden_gradient():
@@ -59,7 +62,8 @@ def test_ignored_rows_get_zero_hidden_gradient():
 def test_plain_cross_entropy_matches_torch():
     hidden, weight, bias, targets = _inputs()
     logits = F.linear(hidden, weight, bias)
-    torch.testing.assert_close(cross_entropy(logits, targets), _reference(hidden, weight, bias, targets))
+    expected = _reference(hidden, weight, bias, targets)
+    assert_equal_up_to_rounding(cross_entropy(logits, targets), expected, name="loss", terms=TERMS)
 
 
 @pytest.mark.parametrize("loss_name", ["chunked", "plain"])
@@ -76,12 +80,14 @@ def test_global_num_items_makes_micro_batches_sum_to_full_batch(loss_name):
     first = loss_fn(hidden[:split], targets[:split], total)
     second = loss_fn(hidden[split:], targets[split:], torch.tensor(total))
     full = _reference(hidden, weight, bias, targets)
-    torch.testing.assert_close(first + second, full, rtol=1e-5, atol=1e-6)
-    for got, want in zip(_grads(first + second, hidden, weight, bias), _grads(full, hidden, weight, bias)):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert_equal_up_to_rounding(first + second, full, name="loss", terms=TERMS)
+    grads = zip(_grads(first + second, hidden, weight, bias), _grads(full, hidden, weight, bias))
+    for (got, want), name in zip(grads, ("hidden", "weight", "bias")):
+        assert_equal_up_to_rounding(got, want, name=name, terms=TERMS)
     local_count = int((targets[:split] != IGNORE_INDEX).sum())
     assert local_count != total
-    torch.testing.assert_close(loss_fn(hidden[:split], targets[:split], None), first * total / local_count)
+    local_mean = loss_fn(hidden[:split], targets[:split], None)
+    assert_equal_up_to_rounding(local_mean, first * total / local_count, name="local mean", terms=TERMS)
 
 
 def test_softcap_forward_and_backward():
@@ -91,11 +97,12 @@ def test_softcap_forward_and_backward():
     uncapped = _reference(hidden, weight, bias, targets)
     assert not torch.allclose(expected, uncapped, rtol=1e-2)
     loss = chunked_cross_entropy(hidden, weight, targets, chunk_size=9, softcap=5.0, bias=bias)
-    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
-    for got, want in zip(_grads(loss, hidden, weight, bias), _grads(expected, hidden, weight, bias)):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert_equal_up_to_rounding(loss, expected, name="loss", terms=TERMS)
+    grads = zip(_grads(loss, hidden, weight, bias), _grads(expected, hidden, weight, bias))
+    for (got, want), name in zip(grads, ("hidden", "weight", "bias")):
+        assert_equal_up_to_rounding(got, want, name=name, terms=TERMS)
     plain = cross_entropy(F.linear(hidden, weight, bias), targets, softcap=5.0)
-    torch.testing.assert_close(plain, expected)
+    assert_equal_up_to_rounding(plain, expected, name="plain loss", terms=TERMS)
 
 
 @pytest.mark.parametrize("softcap", [None, 5.0])
@@ -106,11 +113,12 @@ def test_scaled_logits_forward_and_backward(scale, softcap):
     expected = _reference(hidden, weight, bias, targets, softcap=softcap, scale=scale)
     assert not torch.allclose(expected, _reference(hidden, weight, bias, targets, softcap=softcap), rtol=1e-2)
     loss = chunked_cross_entropy(hidden, weight, targets, chunk_size=9, softcap=softcap, bias=bias, scale=scale)
-    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
-    for got, want in zip(_grads(loss, hidden, weight, bias), _grads(expected, hidden, weight, bias)):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert_equal_up_to_rounding(loss, expected, name="loss", terms=TERMS)
+    grads = zip(_grads(loss, hidden, weight, bias), _grads(expected, hidden, weight, bias))
+    for (got, want), name in zip(grads, ("hidden", "weight", "bias")):
+        assert_equal_up_to_rounding(got, want, name=name, terms=TERMS)
     plain = cross_entropy(F.linear(hidden, weight, bias), targets, softcap=softcap, scale=scale)
-    torch.testing.assert_close(plain, expected)
+    assert_equal_up_to_rounding(plain, expected, name="plain loss", terms=TERMS)
 
 
 @pytest.mark.parametrize("num_items", [None, 0, torch.tensor(0)])
@@ -158,9 +166,10 @@ def test_tied_embedding_and_head_accumulate_both_gradients():
 
     expected = loss_with(lambda h: _reference(h, embedding, None, targets))
     loss = loss_with(lambda h: chunked_cross_entropy(h, embedding, targets, chunk_size=11))
-    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
-    for got, want in zip(_grads(loss, embedding, mixer), _grads(expected, embedding, mixer)):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert_equal_up_to_rounding(loss, expected, name="loss", terms=TERMS + H)  # and the mixer's sum
+    grads = zip(_grads(loss, embedding, mixer), _grads(expected, embedding, mixer))
+    for (got, want), name in zip(grads, ("embedding", "mixer")):
+        assert_equal_up_to_rounding(got, want, name=name, terms=TERMS + H)
 
 
 def test_frozen_head_gets_no_weight_gradient():
@@ -169,7 +178,7 @@ def test_frozen_head_gets_no_weight_gradient():
     loss = chunked_cross_entropy(hidden, frozen, targets, chunk_size=8)
     (grad_hidden,) = torch.autograd.grad(loss, hidden)
     (expected,) = torch.autograd.grad(_reference(hidden, frozen, None, targets), hidden)
-    torch.testing.assert_close(grad_hidden, expected, rtol=1e-5, atol=1e-6)
+    assert_equal_up_to_rounding(grad_hidden, expected, name="hidden", terms=TERMS)
 
 
 def test_keeps_no_logits_for_backward():
@@ -270,7 +279,7 @@ def test_without_grad_the_value_is_the_same_and_no_gradient_is_computed():
 
     count_with_grad, with_grad = matmuls(True)
     count_without_grad, without_grad = matmuls(False)
-    torch.testing.assert_close(without_grad, with_grad.detach())
+    assert_equal_up_to_rounding(without_grad, with_grad.detach(), name="loss", terms=TERMS)
     assert not without_grad.requires_grad
     assert count_without_grad == chunks  # the logits of each chunk, nothing else
     assert count_with_grad == 3 * chunks  # and the gradients of hidden and weight, in forward
