@@ -59,7 +59,8 @@ def assert_equal_up_to_rounding(
 
     ``terms``: the total length of the nested sums each value went through (:data:`TINY_MODEL_TERMS` for a tiny
     model's loss, logits or gradients). ``scale``: the magnitude of what was summed, when it is larger than
-    ``expected``'s largest value. Python numbers are taken as fp32 results (a logged ``.item()``).
+    ``expected``'s largest value (a weight update ``w - (w - lr * g)`` rounds at the weights' magnitude). Python
+    numbers are taken as fp32 results (a logged ``.item()``).
     """
     (got, got_float64), (want, want_float64) = _values(actual), _values(expected)
     eps = torch.finfo(torch.float64 if got_float64 and want_float64 else torch.float32).eps
@@ -69,8 +70,9 @@ def assert_equal_up_to_rounding(
     if not torch.equal(torch.isfinite(got), finite) or not torch.equal(got[~finite], want[~finite]):
         raise AssertionError(f"{name}: non-finite values differ:\nactual {got}\nexpected {want}")
     got, want = got.where(finite, 0.0), want.where(finite, 0.0)
-    if scale is None:
-        scale, derived = (float(want.abs().max()) if want.numel() else 0.0), "the largest |expected|"
+    largest = float(want.abs().max()) if want.numel() else 0.0
+    if scale is None or scale <= largest:
+        scale, derived = largest, "the largest |expected|"
     else:
         derived = "the magnitude of what was summed, given"
     allowed = FACTOR * eps * math.sqrt(terms) * scale
@@ -88,15 +90,22 @@ def assert_equal_up_to_rounding(
 
 
 def assert_each_equal_up_to_rounding(
-    actual: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], *, terms: int, name: str = ""
+    actual: Mapping[str, torch.Tensor],
+    expected: Mapping[str, torch.Tensor],
+    *,
+    terms: int,
+    name: str = "",
+    scale: float | Mapping[str, float] | None = None,
 ) -> None:
     """:func:`assert_equal_up_to_rounding` for each tensor by name (gradients, weights), after the same names;
-    each tensor is held to its own scale. ``name`` prefixes the names in messages."""
+    each tensor is held to its own scale (``scale``: one for all, or one by name). ``name`` prefixes the names in
+    messages."""
     if actual.keys() != expected.keys():
         missing, extra = sorted(expected.keys() - actual.keys()), sorted(actual.keys() - expected.keys())
         raise AssertionError(f"{name or 'tensors'}: names differ; missing {missing}, unexpected {extra}")
     for key, value in expected.items():
-        assert_equal_up_to_rounding(actual[key], value, name=f"{name}{key}", terms=terms)
+        summed = scale[key] if isinstance(scale, Mapping) else scale
+        assert_equal_up_to_rounding(actual[key], value, name=f"{name}{key}", terms=terms, scale=summed)
 
 
 def _values(value: torch.Tensor | float) -> tuple[torch.Tensor, bool]:

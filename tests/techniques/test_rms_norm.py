@@ -51,8 +51,9 @@ def test_forward_and_gradients_equal_the_models_norm(cls, dtype):
     if dtype == torch.float32:  # the input's gradient sums over the hidden size, the weight's over the rows too
         assert_equal_up_to_rounding(got[1], expected[1], name="input gradient", terms=HIDDEN)
         assert_equal_up_to_rounding(got[2], expected[2], name="weight gradient", terms=x.numel() // HIDDEN + HIDDEN)
-    else:  # bf16: its own rounding; autograd sums the weight's gradient in bf16, the chunks in fp32: compare both
-        torch.testing.assert_close(got[1], expected[1])  # with the fp64 one
+    else:  # bf16: its own rounding; autograd sums the weight's gradient in bf16, the chunks in fp32
+        torch.testing.assert_close(got[1], expected[1])
+        # compare both weight gradients with the fp64 one
         reference = _forward_backward(norm.to(torch.float64), norm, x.double(), grad.double())[2]
         assert (got[2].double() - reference).abs().max() <= (expected[2].double() - reference).abs().max() + 0.25
 
