@@ -15,6 +15,7 @@ import math
 import datasets
 import pytest
 import torch
+from equivalence import TINY_MODEL_TERMS, assert_each_equal_up_to_rounding, assert_equal_up_to_rounding
 from lightning.pytorch import Trainer
 
 from lit_memtrain.datamodules.prompts import PromptDataModule
@@ -102,10 +103,7 @@ def _grads(module: GRPOModule) -> dict[str, torch.Tensor]:
 
 def _assert_same_grads(ours: dict[str, torch.Tensor], model: torch.nn.Module) -> None:
     theirs = {n: p.grad for n, p in model.named_parameters()}
-    assert ours.keys() == theirs.keys()
-    for name, grad in ours.items():  # atol: fp32 summation order (chunks, documents), relative to the largest gradient
-        torch.testing.assert_close(grad, theirs[name], rtol=1e-4, atol=2e-6 * float(theirs[name].abs().max()),
-                                   msg=lambda m, name=name: f"{name}: {m}")
+    assert_each_equal_up_to_rounding(ours, theirs, terms=TINY_MODEL_TERMS)
 
 
 @pytest.mark.parametrize(
@@ -149,12 +147,13 @@ def test_one_micro_batch_equals_trl_grpo_compute_loss(saved_model, tokenizer, tm
                      max_completion_length=MAX_COMPLETION_LENGTH, epsilon=0.2, epsilon_high=0.28)
     rollout = Rollout.of(prompt_ids, COMPLETIONS, torch.ones(len(COMPLETIONS), dtype=torch.bool))
     with torch.no_grad():  # the chunked, padding-free log-probabilities are TRL's
-        torch.testing.assert_close(module.completion_logps(rollout), logps, rtol=1e-5, atol=1e-5)
+        assert_equal_up_to_rounding(module.completion_logps(rollout), logps, name="log-probs", terms=TINY_MODEL_TERMS)
     rollout = Rollout(rollout.prompt_ids, rollout.completion_ids, rollout.trained, rollout.width, advantages, old,
                       ref if beta else None)
     out = module.slice_loss(rollout, module.loss_normalizer(rollout))
     out.loss.backward()
-    torch.testing.assert_close(out.loss, trl_loss, rtol=1e-4, atol=1e-6)
+    summed = float(advantages.abs().max())  # the loss sums advantage x ratio (about 1) of either sign
+    assert_equal_up_to_rounding(out.loss, trl_loss, name="loss", terms=TINY_MODEL_TERMS, scale=summed)
     _assert_same_grads(_grads(module), trl_model)
     assert out.low_clipped.any() or out.high_clipped.any()  # the perturbation made the clip bind
     _assert_trls_entropy(module, out, rollout, trl)
@@ -163,7 +162,7 @@ def test_one_micro_batch_equals_trl_grpo_compute_loss(saved_model, tokenizer, tm
 def _assert_trls_entropy(module: GRPOModule, out, rollout: Rollout, trl) -> None:
     """The entropy of the trained tokens (from the training forward's chunks of logits) is TRL's."""
     entropy = float(out.entropy.sum() / rollout.completion_mask().sum())
-    assert entropy == pytest.approx(trl._metrics["train"]["entropy"][-1], rel=1e-5)
+    assert_equal_up_to_rounding(entropy, trl._metrics["train"]["entropy"][-1], name="entropy", terms=TINY_MODEL_TERMS)
     assert 0 < entropy < math.log(module.model.config.vocab_size)
 
 
@@ -196,7 +195,8 @@ def test_one_micro_batch_equals_trl_rloo_compute_loss(saved_model, tokenizer, tm
                       max(map(len, COMPLETIONS)), advantages, old)
     out = module.slice_loss(rollout, module.loss_normalizer(rollout))
     out.loss.backward()
-    torch.testing.assert_close(out.loss, trl_loss, rtol=1e-4, atol=1e-6)
+    summed = float(advantages.abs().max())  # the loss sums advantage x ratio (about 1) of either sign
+    assert_equal_up_to_rounding(out.loss, trl_loss, name="loss", terms=TINY_MODEL_TERMS, scale=summed)
     _assert_same_grads(_grads(module), trl_model)
     assert out.low_clipped.any() or out.high_clipped.any()
     _assert_trls_entropy(module, out, rollout, trl)
@@ -261,16 +261,19 @@ def test_one_generation_batch_equals_trl_generate_and_score(saved_model, tokeniz
     rollout, rewards, _ = module.generate_rollout(batch, "a test batch")
     rollout, metrics = module.prepare_rollout(rollout, rewards)
 
-    torch.testing.assert_close(rollout.advantages, expected["advantages"], rtol=1e-5, atol=1e-6)
+    assert_equal_up_to_rounding(rollout.advantages, expected["advantages"], name="advantages", terms=len(COMPLETIONS))
     assert rollout.advantages.abs().sum() > 0
     torch.testing.assert_close(rollout.completion_mask(), expected["completion_mask"].float())
     if "ref_per_token_logps" in expected:
-        torch.testing.assert_close(rollout.ref_logps, expected["ref_per_token_logps"] * expected["completion_mask"],
-                                   rtol=1e-5, atol=1e-5)
+        theirs = expected["ref_per_token_logps"] * expected["completion_mask"]
+        assert_equal_up_to_rounding(rollout.ref_logps, theirs, name="reference log-probs", terms=TINY_MODEL_TERMS)
     if "old_logps" in expected and rollout.old_logps is not None:  # RLOO's, summed per completion
         mask = rollout.completion_mask()
-        torch.testing.assert_close((rollout.old_logps * mask).sum(1), expected["old_logps"], rtol=1e-5, atol=1e-5)
-    assert metrics["reward"] == pytest.approx(trl._metrics["train"]["reward"][-1], rel=1e-5)
+        old_logps = (rollout.old_logps * mask).sum(1)
+        assert_equal_up_to_rounding(old_logps, expected["old_logps"], name="old log-probs", terms=TINY_MODEL_TERMS)
+    theirs = trl._metrics["train"]["reward"][-1]
+    assert_equal_up_to_rounding(metrics["reward"], theirs, name="reward", terms=len(COMPLETIONS))
     assert metrics["frac_reward_zero_std"] == pytest.approx(trl._metrics["train"]["frac_reward_zero_std"][-1])
     if not grpo and options["beta"]:
-        assert float(metrics["kl"]) == pytest.approx(trl._metrics["train"]["kl"][-1], rel=1e-4, abs=1e-6)
+        theirs = trl._metrics["train"]["kl"][-1]  # each token's exp(d) - d - 1 cancels terms of about 1
+        assert_equal_up_to_rounding(float(metrics["kl"]), theirs, name="kl", terms=TINY_MODEL_TERMS, scale=1.0)
