@@ -6,6 +6,7 @@ from __future__ import annotations
 import datasets
 import pytest
 import torch
+from equivalence import TINY_MODEL_TERMS, assert_each_equal_up_to_rounding, assert_equal_up_to_rounding
 from lightning.pytorch import Trainer
 
 from lit_memtrain.datamodules.preference import PreferenceDataModule
@@ -86,17 +87,14 @@ def test_one_step_equals_trl_dpo_trainer(saved_model, tokenizer, tmp_path, loss)
     _precompute(module, datamodule)
     train = datamodule.datasets["train"]
     for name in ("ref_chosen_logps", "ref_rejected_logps"):
-        torch.testing.assert_close(torch.tensor(train[name]), torch.tensor(trl.train_dataset[name]), rtol=1e-5, atol=1e-5)
+        theirs = torch.tensor(trl.train_dataset[name])
+        assert_equal_up_to_rounding(torch.tensor(train[name]), theirs, name=name, terms=TINY_MODEL_TERMS)
     assert train["chosen_ids"] == trl.train_dataset["chosen_ids"] and train["prompt_ids"] == trl.train_dataset["prompt_ids"]
     batch = datamodule.collator()([train[i] for i in range(len(PAIRS))])
     ours, metrics = module.pair_loss(batch)
     ours.backward()
-    torch.testing.assert_close(ours, trl_loss, rtol=1e-4, atol=1e-6)
-    grads = _grads(module)
-    assert grads.keys() == trl_grads.keys()
-    for name, grad in grads.items():  # atol: fp32 summation order, relative to the tensor's largest gradient
-        atol = 1e-6 * float(trl_grads[name].abs().max())
-        torch.testing.assert_close(grad, trl_grads[name], rtol=1e-4, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
+    assert_equal_up_to_rounding(ours, trl_loss, name="loss", terms=TINY_MODEL_TERMS)
+    assert_each_equal_up_to_rounding(_grads(module), trl_grads, terms=TINY_MODEL_TERMS)
     assert metrics["rewards/margins"] == 0  # the first step's policy is the reference
 
 
@@ -117,11 +115,11 @@ def test_padding_free_equals_padded_and_nll_equals_chunked(saved_model):
         results.append((loss, metrics, _grads(module)))
     (loss, metrics, grads), *others = results
     for other_loss, other_metrics, other_grads in others:
-        torch.testing.assert_close(other_loss, loss, rtol=1e-5, atol=1e-6)
+        assert_equal_up_to_rounding(other_loss, loss, name="loss", terms=TINY_MODEL_TERMS)
+        summed = max(float(value.abs().max()) for value in metrics.values())  # rewards, margins: log-probs' sums
         for name, value in metrics.items():
-            torch.testing.assert_close(other_metrics[name], value, rtol=1e-5, atol=1e-5)
-        for name, grad in grads.items():
-            torch.testing.assert_close(other_grads[name], grad, rtol=1e-4, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
+            assert_equal_up_to_rounding(other_metrics[name], value, name=name, terms=TINY_MODEL_TERMS, scale=summed)
+        assert_each_equal_up_to_rounding(other_grads, grads, terms=TINY_MODEL_TERMS)
 
 
 def test_lora_reference_is_the_base_model_with_the_adapter_disabled(saved_model):
@@ -138,7 +136,8 @@ def test_lora_reference_is_the_base_model_with_the_adapter_disabled(saved_model)
             if "lora_B" in name:
                 param.normal_(std=0.2)
     ref_chosen, ref_rejected = module.batch_reference_logps(batch)
-    torch.testing.assert_close(torch.cat([ref_chosen, ref_rejected]), base_logps, rtol=1e-5, atol=1e-5)
+    reference_logps = torch.cat([ref_chosen, ref_rejected])
+    assert_equal_up_to_rounding(reference_logps, base_logps, name="log-probs", terms=TINY_MODEL_TERMS)
     policy, _ = module.sequence_logps(batch)
     assert not torch.allclose(policy, base_logps, atol=1e-3)
     loss, metrics = module.pair_loss(batch)
@@ -191,7 +190,10 @@ def test_validating_a_trained_model_takes_the_reference_from_its_checkpoint_only
     module.reference_logps = {"validation": (torch.tensor([-30.0, -31.0]), torch.tensor([-32.0, -33.0]))}
     metrics = validate(module)
     assert metrics["val/rewards/accuracies"] in (0.0, 0.5, 1.0) and "val/rewards/margins" in metrics
-    assert metrics["val/rewards/chosen"] == pytest.approx(0.1 * (metrics["val/logps/chosen"] + 30.5), rel=1e-5)
+    logps = metrics["val/logps/chosen"]  # the reward is a difference of log-probabilities: rounded at their size
+    expected = 0.1 * (logps + 30.5)
+    assert_equal_up_to_rounding(metrics["val/rewards/chosen"], expected, name="reward", terms=TINY_MODEL_TERMS,
+                                scale=0.1 * abs(logps))
 
 
 def test_under_bf16_mixed_the_precomputed_reference_equals_the_first_step_policy(saved_model):
