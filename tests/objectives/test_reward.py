@@ -10,6 +10,7 @@ import logging
 import datasets
 import pytest
 import torch
+from equivalence import TINY_MODEL_TERMS, assert_each_equal_up_to_rounding, assert_equal_up_to_rounding
 from lightning.pytorch import Callback, Trainer
 from transformers import AutoModelForSequenceClassification
 
@@ -125,15 +126,11 @@ def test_one_step_equals_trl_reward_trainer(saved_model, tokenizer, tmp_path, fo
     assert "position_ids" in batch and ("margin" in batch) == margin  # one padding-free row
     loss, chosen, rejected = module.pair_loss(batch)
     loss.backward()
-    torch.testing.assert_close(loss, trl_loss, rtol=1e-4, atol=1e-6)
-    grads = _grads(module)
-    assert grads.keys() == trl_grads.keys()
-    for name, grad in grads.items():  # atol: fp32 summation order (one row or padded rows), relative to the largest
-        atol = 1e-5 * float(trl_grads[name].abs().max())
-        torch.testing.assert_close(grad, trl_grads[name], rtol=1e-4, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
+    assert_equal_up_to_rounding(loss, trl_loss, name="loss", terms=TINY_MODEL_TERMS)
+    assert_each_equal_up_to_rounding(_grads(module), trl_grads, terms=TINY_MODEL_TERMS)
     with torch.no_grad():
         trl_rewards = trl_model(**{k: v for k, v in trl_batch.items() if k != "margin"}).logits[:, 0]
-    torch.testing.assert_close(torch.cat([chosen, rejected]), trl_rewards, rtol=1e-5, atol=1e-6)
+    assert_equal_up_to_rounding(torch.cat([chosen, rejected]), trl_rewards, name="rewards", terms=TINY_MODEL_TERMS)
 
 
 @pytest.mark.parametrize("pad_is_eos", [False, True], ids=["pad-differs-from-eos", "pad-is-eos"])
@@ -153,14 +150,13 @@ def test_padding_free_equals_padded_and_the_models_own_forward(pad_is_eos, eos_p
         if not padding_free:  # transformers' own reading of the padded rows: the position an export reads
             with torch.no_grad():
                 own = module.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
-            torch.testing.assert_close(torch.cat([chosen, rejected]), own, rtol=1e-5, atol=1e-6)
+            assert_equal_up_to_rounding(torch.cat([chosen, rejected]), own, name="rewards", terms=TINY_MODEL_TERMS)
     assert (module.pad_token_id == module.model.config.eos_token_id) == pad_is_eos
     (loss, rewards, grads), *others = results
     for other_loss, other_rewards, other_grads in others:
-        torch.testing.assert_close(other_loss, loss, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(other_rewards, rewards, rtol=1e-5, atol=1e-6)
-        for name, grad in grads.items():
-            torch.testing.assert_close(other_grads[name], grad, rtol=1e-4, atol=1e-5 * float(grad.abs().max()))
+        assert_equal_up_to_rounding(other_loss, loss, name="loss", terms=TINY_MODEL_TERMS)
+        assert_equal_up_to_rounding(other_rewards, rewards, name="rewards", terms=TINY_MODEL_TERMS)
+        assert_each_equal_up_to_rounding(other_grads, grads, terms=TINY_MODEL_TERMS)
 
 
 def _fit(module: RewardModule, datamodule: PreferenceDataModule, steps: int) -> Trainer:
@@ -188,7 +184,7 @@ def test_lora_trains_the_adapter_and_the_whole_score_head_and_exports_them_merge
     with torch.no_grad():
         theirs = exported(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
         ours = module.sequence_rewards(batch)
-    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-5)
+    assert_equal_up_to_rounding(theirs, ours, name="rewards", terms=TINY_MODEL_TERMS)
     assert exported.config.pad_token_id == module.pad_token_id and exported.config.num_labels == 1
 
 
@@ -289,7 +285,7 @@ def test_accumulated_steps_train_on_the_mean_of_their_micro_batch_means_the_shor
     module.pair_loss(datamodule.collator()([train[order[2]]]))[0].backward()
     for step, expected in zip(record.steps, (first, _grads(module)), strict=True):
         for name, grad in expected.items():
-            torch.testing.assert_close(step[name], grad, rtol=1e-4, atol=1e-5 * float(grad.abs().max()))
+            assert_equal_up_to_rounding(step[name], grad, name=name, terms=TINY_MODEL_TERMS)
 
 
 def test_packed_documents_are_probed_apart_on_the_decoders_hidden_states():
