@@ -9,6 +9,7 @@ import pickle
 import pytest
 from pathlib import Path
 import torch
+from equivalence import TINY_MODEL_TERMS, assert_equal_up_to_rounding
 from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
@@ -115,11 +116,12 @@ def test_checkpoints_written_before_the_move_load_and_export_the_same_model(name
     expected = torch.load(OLD_CHECKPOINTS / "expected_logits.pt")[name]  # what 0.1 computed from this checkpoint
     with torch.no_grad():  # the same weights: equal up to the float rounding of this machine's kernels
         logits = module.model.eval()(input_ids=ids, use_cache=False).logits[0, :, :8]
-        torch.testing.assert_close(logits, expected, rtol=1e-6, atol=1e-6)
+        assert_equal_up_to_rounding(logits, expected, name="logits", terms=TINY_MODEL_TERMS)
     main(["export", "--checkpoint", str(OLD_CHECKPOINTS / name), "--output", str(tmp_path / "export")])
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
     with torch.no_grad():
-        torch.testing.assert_close(exported(input_ids=ids).logits[0, :, :8], expected, rtol=1e-5, atol=1e-5)
+        logits = exported(input_ids=ids).logits[0, :, :8]
+        assert_equal_up_to_rounding(logits, expected, name="exported logits", terms=TINY_MODEL_TERMS)
 
 
 def test_resuming_a_checkpoint_whose_preset_took_the_tokenizers_vocabulary_says_what_to_set(tmp_path):
