@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from equivalence import TINY_MODEL_TERMS, assert_equal_up_to_rounding
 from transformers import Qwen3ForCausalLM
 
 from lit_memtrain.objectives.causal_lm import CausalLMModule
@@ -71,13 +72,13 @@ def test_chunked_loss_and_gradients_equal_the_models_own_logits(model_type):
     loss_chunked, loss_plain = chunked.compute_loss(batch), plain.compute_loss(batch)
     loss_chunked.backward()
     loss_plain.backward()
-    torch.testing.assert_close(loss_chunked, loss_plain, rtol=1e-5, atol=1e-6)
+    assert_equal_up_to_rounding(loss_chunked, loss_plain, name="loss", terms=TINY_MODEL_TERMS)
     expected = dict(plain.model.named_parameters())
     for name, param in chunked.model.named_parameters():
         if expected[name].grad is None:
             assert param.grad is None, name
             continue
-        torch.testing.assert_close(param.grad, expected[name].grad, rtol=1e-5, atol=1e-6, msg=name)
+        assert_equal_up_to_rounding(param.grad, expected[name].grad, name=name, terms=TINY_MODEL_TERMS)
 
 
 @pytest.mark.parametrize(
@@ -100,7 +101,8 @@ def test_falcon_h1_lm_head_multiplier_changes_the_loss_and_the_chunked_loss_foll
     scaled = _module("falcon_h1", "chunked").compute_loss(batch)
     unscaled = _module("falcon_h1", "nll", lm_head_multiplier=1.0).compute_loss(batch)
     assert abs(scaled.item() - unscaled.item()) > 1e-3
-    torch.testing.assert_close(scaled, _module("falcon_h1", "nll").compute_loss(batch), rtol=1e-5, atol=1e-6)
+    expected = _module("falcon_h1", "nll").compute_loss(batch)
+    assert_equal_up_to_rounding(scaled, expected, name="loss", terms=TINY_MODEL_TERMS)
 
 
 class _TransformsAfterHead(Qwen3ForCausalLM):
@@ -127,8 +129,9 @@ def test_an_unnamed_multiplier_is_measured_and_applied():
     batch = {"input_ids": _batch()["input_ids"], "labels": _batch()["labels"]}
     chunked = _custom_module(lambda logits: logits * 2.5)
     plain = _custom_module(lambda logits: logits * 2.5, loss_type="nll")
-    torch.testing.assert_close(chunked.compute_loss(batch), plain.compute_loss(batch), rtol=1e-5, atol=1e-6)
-    assert chunked.setup_probes.logit_transform.scale == pytest.approx(2.5, rel=1e-6)
+    expected = plain.compute_loss(batch)
+    assert_equal_up_to_rounding(chunked.compute_loss(batch), expected, name="loss", terms=TINY_MODEL_TERMS)
+    assert_equal_up_to_rounding(chunked.setup_probes.logit_transform.scale, 2.5, name="scale", terms=TINY_MODEL_TERMS)
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from equivalence import TINY_MODEL_TERMS, assert_each_equal_up_to_rounding, assert_equal_up_to_rounding
 from torch import nn
 
 from lit_memtrain.callbacks.tiled_mlp import TiledMLP
@@ -72,11 +73,8 @@ def test_the_training_loss_is_the_models_own_loss_with_the_load_balancing_loss(n
     expected_loss, expected_grads = _models_own_loss_and_grads(module, batch)
     loss = module.compute_loss(batch)
     loss.backward()
-    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
-    grads = _grads(module.model)
-    assert grads.keys() == expected_grads.keys()
-    for key in grads:
-        torch.testing.assert_close(grads[key], expected_grads[key], rtol=1e-4, atol=1e-6, msg=key)
+    assert_equal_up_to_rounding(loss, expected_loss, name="loss", terms=TINY_MODEL_TERMS)
+    assert_each_equal_up_to_rounding(_grads(module.model), expected_grads, terms=TINY_MODEL_TERMS)
     cross_entropy_only = module.model(**batch, output_router_logits=False, use_cache=False).loss
     assert loss.item() - cross_entropy_only.item() > 0.5  # 0.5 x a load-balancing loss of about 2
 
@@ -86,10 +84,10 @@ def test_the_coefficient_is_overridable_and_zero_turns_it_off():
     module = _module("qwen3_moe", router_aux_loss_coef=0.0)
     assert module.router_aux_weight() == 0.0
     plain = module.model(**batch, use_cache=False).loss  # the config's output_router_logits is False: no aux
-    torch.testing.assert_close(module.compute_loss(batch), plain, rtol=1e-5, atol=1e-6)
+    assert_equal_up_to_rounding(module.compute_loss(batch), plain, name="loss", terms=TINY_MODEL_TERMS)
     doubled = _module("qwen3_moe", router_aux_loss_coef=1.0)
     aux = doubled.model(**batch, output_router_logits=True, use_cache=False).aux_loss
-    torch.testing.assert_close(doubled.compute_loss(batch), plain + aux, rtol=1e-5, atol=1e-6)
+    assert_equal_up_to_rounding(doubled.compute_loss(batch), plain + aux, name="loss", terms=TINY_MODEL_TERMS)
 
 
 def test_micro_batches_sum_to_the_mean_cross_entropy_plus_the_token_weighted_load_balancing_loss():
@@ -99,7 +97,7 @@ def test_micro_batches_sum_to_the_mean_cross_entropy_plus_the_token_weighted_loa
     total = sum(counts)
     summed = module.compute_loss(first, num_items=total) + module.compute_loss(second, num_items=total)
     expected = sum(module.compute_loss(b) * n for b, n in zip((first, second), counts)) / total
-    torch.testing.assert_close(summed, expected, rtol=1e-5, atol=1e-6)
+    assert_equal_up_to_rounding(summed, expected, name="loss", terms=TINY_MODEL_TERMS)
 
 
 def test_a_coefficient_for_a_model_without_routers_is_refused():
@@ -130,8 +128,7 @@ def test_tiled_experts_give_the_untiled_loss_and_router_gradients_and_dense_laye
     assert all("forward" in vars(m) for m in dense + experts)
     loss = module.compute_loss(batch)
     loss.backward()
-    for key, grad in _grads(module.model).items():
-        torch.testing.assert_close(grad, expected[key], rtol=1e-4, atol=1e-6, msg=key)
+    assert_each_equal_up_to_rounding(_grads(module.model), expected, terms=TINY_MODEL_TERMS)
     restore()
     assert all("forward" not in vars(m) for m in dense + experts)
 
