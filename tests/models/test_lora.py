@@ -1,5 +1,6 @@
 import pytest
 import torch
+from equivalence import TINY_MODEL_TERMS, assert_equal_up_to_rounding
 from lightning.pytorch import Trainer
 from transformers import AutoModelForCausalLM
 
@@ -45,7 +46,8 @@ def test_lora_fit_changes_only_adapter_weights_and_export_merges(base_dir, tmp_p
     batch = _batch(merged.config.vocab_size)
     module.model.eval()
     with torch.no_grad():
-        torch.testing.assert_close(merged(batch["input_ids"]).logits, module.model(batch["input_ids"]).logits, rtol=1e-4, atol=1e-5)
+        expected = module.model(batch["input_ids"]).logits
+        assert_equal_up_to_rounding(merged(batch["input_ids"]).logits, expected, name="logits", terms=TINY_MODEL_TERMS)
 
 
 def test_chunked_loss_with_lora_head_matches_plain_loss(base_dir):
@@ -64,11 +66,11 @@ def test_chunked_loss_with_lora_head_matches_plain_loss(base_dir):
     loss_c, loss_p = chunked.compute_loss(batch), plain.compute_loss(batch)
     loss_c.backward()
     loss_p.backward()
-    torch.testing.assert_close(loss_c, loss_p, rtol=1e-5, atol=1e-6)
+    assert_equal_up_to_rounding(loss_c, loss_p, name="loss", terms=TINY_MODEL_TERMS)
     grads_p = dict(plain.model.named_parameters())
     for name, p in chunked.model.named_parameters():
         if p.requires_grad:
-            torch.testing.assert_close(p.grad, grads_p[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+            assert_equal_up_to_rounding(p.grad, grads_p[name].grad, name=name, terms=TINY_MODEL_TERMS)
 
 
 def test_lora_settings_are_validated():
@@ -111,11 +113,11 @@ def test_lora_with_every_memory_technique_matches_plain_lora(base_dir):
         loss = tuned.compute_loss(batch)
         loss.backward()
     assert offloader.stats.tensors == len(layers)  # one checkpointed input per layer went to host memory
-    torch.testing.assert_close(loss, plain.compute_loss(batch), rtol=1e-5, atol=1e-6)
+    assert_equal_up_to_rounding(loss, plain.compute_loss(batch), name="loss", terms=TINY_MODEL_TERMS)
     expected = dict(plain.model.named_parameters())
     for name, p in tuned.model.named_parameters():
         if p.requires_grad:
-            torch.testing.assert_close(p.grad, expected[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+            assert_equal_up_to_rounding(p.grad, expected[name].grad, name=name, terms=TINY_MODEL_TERMS)
 
 
 YARN = {"rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 4.0, "original_max_position_embeddings": 512}
@@ -143,7 +145,8 @@ def test_yarn_lora_export_keeps_rope_parameters_and_reloads_to_the_same_logits(b
     ids = _batch(reloaded.config.vocab_size)["input_ids"]
     module.model.eval()
     with torch.no_grad():
-        torch.testing.assert_close(reloaded(ids).logits, module.model(ids).logits, rtol=1e-4, atol=1e-5)
+        expected = module.model(ids).logits
+        assert_equal_up_to_rounding(reloaded(ids).logits, expected, name="logits", terms=TINY_MODEL_TERMS)
 
 
 def test_the_lora_merge_copies_tensors_to_host_memory_and_leaves_the_training_model_untouched(base_dir, monkeypatch):
