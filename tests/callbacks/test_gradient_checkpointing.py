@@ -8,6 +8,7 @@ import weakref
 import lightning as L
 import pytest
 import torch
+from equivalence import TINY_MODEL_TERMS, assert_each_equal_up_to_rounding, assert_equal_up_to_rounding
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
@@ -48,10 +49,8 @@ def _loss_and_grads(model: nn.Module, input_ids: Tensor) -> tuple[Tensor, dict[s
 
 
 def _assert_same(expected: tuple[Tensor, dict[str, Tensor]], got: tuple[Tensor, dict[str, Tensor]]) -> None:
-    torch.testing.assert_close(got[0], expected[0], rtol=1e-4, atol=1e-6)
-    assert got[1].keys() == expected[1].keys()
-    for name in expected[1]:
-        torch.testing.assert_close(got[1][name], expected[1][name], rtol=1e-4, atol=1e-6, msg=name)
+    assert_equal_up_to_rounding(got[0], expected[0], name="loss", terms=TINY_MODEL_TERMS)
+    assert_each_equal_up_to_rounding(got[1], expected[1], terms=TINY_MODEL_TERMS)
 
 
 class _SavedPerLayer:
@@ -211,7 +210,7 @@ def test_trainer_with_a_user_module_trains_like_the_plain_model():
     module = UserModule("tiny-qwen3")
     _fit(module, [GradientCheckpointing(selective=True), TiledMLP(num_tiles=3)])
     for (name, expected), got in zip(plain.model.named_parameters(), module.model.parameters()):
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6, msg=name)
+        assert_equal_up_to_rounding(got, expected, name=name, terms=TINY_MODEL_TERMS)  # SGD: at the weights' scale
     n = len(module.model.model.layers)
     assert [len(saved) for saved in module.recorder.saved] == [1] * (2 * n)
     assert all(len(saved) > 10 for saved in plain.recorder.saved)
