@@ -13,6 +13,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from equivalence import TINY_MODEL_TERMS, assert_equal_up_to_rounding
 from transformers import AutoModelForCausalLM
 from transformers.integrations import flex_attention as flex_integration
 
@@ -79,7 +80,7 @@ def test_packed_row_equals_documents_run_alone(
         alone = [model(input_ids=doc[None], use_cache=False).logits[0] for doc in docs]
 
     real = sum(DOCUMENT_LENGTHS)
-    torch.testing.assert_close(packed[:real], torch.cat(alone), atol=1e-5, rtol=0)
+    assert_equal_up_to_rounding(packed[:real], torch.cat(alone), name="logits", terms=TINY_MODEL_TERMS)
 
     trainable = int((batch["labels"] != -100).sum())
     packed_loss = summed_loss(packed, batch["labels"][0]) / trainable
@@ -87,7 +88,7 @@ def test_packed_row_equals_documents_run_alone(
     alone_sum = sum(summed_loss(logits, labels) for logits, labels in zip(alone, alone_labels))
     alone_loss = alone_sum / sum(length - 1 for length in DOCUMENT_LENGTHS)
     assert trainable == sum(length - 1 for length in DOCUMENT_LENGTHS)
-    torch.testing.assert_close(packed_loss, alone_loss, atol=1e-5, rtol=0)
+    assert_equal_up_to_rounding(packed_loss, alone_loss, name="loss", terms=TINY_MODEL_TERMS)
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-llama"])
@@ -105,5 +106,5 @@ def test_an_all_ones_attention_mask_would_mix_documents(preset: str) -> None:
         alone = [model(input_ids=doc[None], use_cache=False).logits[0] for doc in docs]
 
     first = DOCUMENT_LENGTHS[0]
-    torch.testing.assert_close(mixed[:first], alone[0], atol=1e-5, rtol=0)  # sees nothing earlier
+    assert_equal_up_to_rounding(mixed[:first], alone[0], name="logits", terms=TINY_MODEL_TERMS)  # sees nothing earlier
     assert (mixed[first:] - torch.cat(alone[1:])).abs().max() > 1e-2  # later documents see earlier ones
