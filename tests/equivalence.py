@@ -53,17 +53,27 @@ _ROUNDING_LOG = "LIT_MEMTRAIN_TOLERANCE_LOG"
 
 
 def assert_equal_up_to_rounding(
-    actual: torch.Tensor | float, expected: torch.Tensor | float, *, name: str, terms: int, scale: float | None = None
+    actual: torch.Tensor | float,
+    expected: torch.Tensor | float,
+    *,
+    name: str,
+    terms: int,
+    scale: float | None = None,
+    computed_in: torch.dtype | None = None,
 ) -> None:
     """Assert ``actual`` equals ``expected`` within what reordered fp32 sums can explain (see the module's docstring).
 
     ``terms``: the total length of the nested sums each value went through (:data:`TINY_MODEL_TERMS` for a tiny
     model's loss, logits or gradients). ``scale``: the magnitude of what was summed, when it is larger than
     ``expected``'s largest value (a weight update ``w - (w - lr * g)`` rounds at the weights' magnitude). Python
-    numbers are taken as fp32 results (a logged ``.item()``).
+    numbers are taken as fp32 results (a logged ``.item()``). ``computed_in``: the precision the values were
+    computed in, when it is not what their dtype says (float64 tensors that carry fp32 logits' rounding; numbers
+    from a float64 computation).
     """
     (got, got_float64), (want, want_float64) = _values(actual), _values(expected)
-    eps = torch.finfo(torch.float64 if got_float64 and want_float64 else torch.float32).eps
+    if computed_in is None:
+        computed_in = torch.float64 if got_float64 and want_float64 else torch.float32
+    eps = torch.finfo(computed_in).eps
     if got.shape != want.shape:
         raise AssertionError(f"{name}: shape {tuple(got.shape)} where {tuple(want.shape)} was expected")
     finite = torch.isfinite(want)
@@ -96,6 +106,7 @@ def assert_each_equal_up_to_rounding(
     terms: int,
     name: str = "",
     scale: float | Mapping[str, float] | None = None,
+    computed_in: torch.dtype | None = None,
 ) -> None:
     """:func:`assert_equal_up_to_rounding` for each tensor by name (gradients, weights), after the same names;
     each tensor is held to its own scale (``scale``: one for all, or one by name). ``name`` prefixes the names in
@@ -105,7 +116,9 @@ def assert_each_equal_up_to_rounding(
         raise AssertionError(f"{name or 'tensors'}: names differ; missing {missing}, unexpected {extra}")
     for key, value in expected.items():
         summed = scale[key] if isinstance(scale, Mapping) else scale
-        assert_equal_up_to_rounding(actual[key], value, name=f"{name}{key}", terms=terms, scale=summed)
+        assert_equal_up_to_rounding(
+            actual[key], value, name=f"{name}{key}", terms=terms, scale=summed, computed_in=computed_in
+        )
 
 
 def _values(value: torch.Tensor | float) -> tuple[torch.Tensor, bool]:
