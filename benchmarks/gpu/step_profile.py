@@ -23,7 +23,7 @@ Each setting runs in a fresh process of its own (``run_isolated``), so none meas
   loss), in the chunked loss (everything under ``_ChunkedCrossEntropySum``, forward and backward: its head
   matmuls too), in the optimizer (``Optimizer.step``, ``zero_grad``), other kernels (norms, RoPE, activations,
   copies), and the time the GPU sat idle (host gaps: launch overhead, syncs, Python). On the CPU (dry run) the
-  leaf operators' CPU time stands in for kernels.
+  operators' own CPU time stands in for kernels, and the time outside any operator for the idle GPU.
 - ``trl``: TRL's ``SFTTrainer`` (``packing=True``, bfd, padding-free, sdpa, bf16, ``adamw_torch_fused``,
   ``max_grad_norm=1.0``, no checkpointing) on the same documents, pre-tokenized, through a JSON-lines file
   (``load_dataset("json")``: ``Dataset.from_dict`` fails to fingerprint under datasets 5.2 + dill 0.4.1 on
@@ -125,7 +125,7 @@ def plan_fit(settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def classify(name: str, ancestors: list[str]) -> str:
-    """The share of :data:`SHARES` a kernel (or, on the CPU, a leaf operator) named ``name`` belongs to, given the
+    """The share of :data:`SHARES` a kernel (or, on the CPU, an operator) named ``name`` belongs to, given the
     names of the operators it ran under (innermost first)."""
     lowered = [n.lower() for n in (name, *ancestors)]
     if any("_chunkedcrossentropysum" in n for n in lowered):
@@ -149,7 +149,7 @@ def _ancestors(event: Any) -> Iterator[str]:
 
 def step_shares(events: list[Any], wall_us: float, on_gpu: bool) -> dict[str, float]:
     """Shares of ``wall_us`` per :data:`SHARES` from a profiler's events: GPU kernels (each under the operator that
-    launched it) and the GPU's idle time, or on the CPU the leaf operators' own time."""
+    launched it) and the GPU's idle time, or on the CPU the operators' own time and the time outside them."""
     busy = dict.fromkeys(SHARES, 0.0)
     if on_gpu:
         for event in events:
@@ -163,8 +163,9 @@ def step_shares(events: list[Any], wall_us: float, on_gpu: bool) -> dict[str, fl
         busy["GPU idle (host gaps)"] = max(0.0, wall_us - covered)
     else:
         for event in events:
-            if not event.cpu_children and event.device_type.name == "CPU":
+            if event.device_type.name == "CPU":
                 busy[classify(event.name, list(_ancestors(event)))] += event.self_cpu_time_total
+        busy["GPU idle (host gaps)"] = max(0.0, wall_us - sum(busy.values()))  # outside any operator
     return {name: value / wall_us for name, value in busy.items()}
 
 
