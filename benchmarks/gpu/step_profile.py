@@ -119,7 +119,7 @@ def plan_fit(settings: dict[str, Any]) -> dict[str, Any]:
     planner = Planner(settings_from_config(fit_config(settings)), gpu_budget(141.0), progress=lambda line: None)
     step = planner.simulate()
     return {
-        "peak_gib": step.memory.device_peak / GIB, "attention": planner.settings.module.get("attn_implementation"),
+        "peak_gib": step.memory.device_peak / GIB, "attention": step.attention,
         "notes": list(step.notes), "seconds": time.perf_counter() - start,
     }  # fmt: skip
 
