@@ -1,0 +1,84 @@
+"""``results.run_isolated`` (benchmarks/gpu/results.py): each setting of a GPU part in a fresh process of its own,
+run from a script as ``python part.py`` (``spawn`` imports the script again in the child)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+GPU = ROOT / "benchmarks" / "gpu"
+
+PART = """
+import os, sys, time
+sys.path.insert(0, {gpu!r})
+import torch
+from results import SettingLeaked, run_isolated, watch
+
+KEPT = []
+
+
+def setting(seq_len, *, scale=1.0):
+    model = torch.nn.Linear(4, 4)
+    watch(model, "the model")
+    return {{"pid": os.getpid(), "figure": seq_len * scale, "gradient": torch.full((2,), scale)}}
+
+
+def leaks_through_a_global():
+    model = torch.nn.Linear(4, 4)
+    watch(model, "the model")
+    KEPT.append(model)
+
+
+def leaks_through_a_cycle():
+    model = torch.nn.Linear(4, 4)
+    model.forward = lambda x, model=model: x  # a closure over the module, stored on the module
+    watch(model, "the model")
+
+
+def fails():
+    raise ValueError("no such setting: 3")
+
+
+def hangs():
+    time.sleep(60)
+
+
+if __name__ == "__main__":
+    result = run_isolated(setting, 8, scale=0.5, timeout_s=60)
+    assert result["pid"] != os.getpid() and result["figure"] == 4.0, result
+    assert torch.equal(result["gradient"], torch.full((2,), 0.5))
+    for leaking in (leaks_through_a_global, leaks_through_a_cycle):
+        try:
+            run_isolated(leaking)
+        except SettingLeaked as error:
+            print("LEAK", leaking.__name__, error)
+    try:
+        run_isolated(fails)
+    except ValueError as error:
+        print("RAISED", error, "|", "line" in str(error.__cause__) and "in fails" in str(error.__cause__))
+    start = time.perf_counter()
+    try:
+        run_isolated(hangs, timeout_s=2)
+    except TimeoutError as error:
+        print("TIMEOUT", error, time.perf_counter() - start < 20)
+"""
+
+
+def test_run_isolated_runs_each_setting_in_a_fresh_process_and_reports_leaks_errors_and_hangs(tmp_path):
+    script = tmp_path / "part.py"
+    script.write_text(textwrap.dedent(PART.format(gpu=str(GPU))))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    leaks = [line for line in lines if line.startswith("LEAK")]
+    assert len(leaks) == 2, result.stdout
+    assert leaks[0].startswith("LEAK leaks_through_a_global leaks_through_a_global returned but objects")
+    assert "the model (referred to by: list)" in leaks[0]
+    assert leaks[1].startswith("LEAK leaks_through_a_cycle ") and "the model (referred to by: " in leaks[1]
+    assert "RAISED no such setting: 3 | True" in lines
+    assert any(line.startswith("TIMEOUT hangs did not finish within 2 s") and line.endswith("True") for line in lines)
