@@ -36,11 +36,10 @@ import math
 import os
 import sys
 import time
-from concurrent.futures import Future, ProcessPoolExecutor
-from multiprocessing import get_context
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from results import add_arguments, check, table, write
+from results import add_arguments, check, run_isolated, table, write
 
 GIB = 2**30
 ROWS = ("plain", "+ checkpointing", "+ chunked loss", "+ tiled MLP", "+ offloaded checkpoints")
@@ -133,14 +132,6 @@ def probe(setup: dict[str, Any], name: str, length: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _start_isolated(function, /, *args) -> Future:
-    """``function(*args)`` in a fresh spawned process, started now; its result comes in the future."""
-    executor = ProcessPoolExecutor(1, mp_context=get_context("spawn"))
-    future = executor.submit(function, *args)
-    executor.shutdown(wait=False)
-    return future
-
-
 def _round_length(length: float) -> int:
     return max(GRANULARITY, int(round(length / GRANULARITY)) * GRANULARITY)
 
@@ -181,14 +172,16 @@ def main() -> None:
              "device": device, "precision": precision, "dtype": dtype, "start": 8192 if not args.dry_run else 1024}
     print(f"{args.preset} width, {args.layers} layers, {precision}, cap {args.cap_gib} GiB; planning "
           f"{len(args.rows)} rows", flush=True)  # fmt: skip
-    planned = _start_isolated(plan_rows, setup).result()
+    planned = run_isolated(plan_rows, setup, timeout_s=120)
     print(f"planned in {time.monotonic() - start:.0f} s: " + ", ".join(f"{n} {p['length']:,}" for n, p in planned.items()),
           flush=True)  # fmt: skip
     probes: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in args.rows}
+    threads = ThreadPoolExecutor(len(args.rows))  # each waits on one probe's process
     while True:  # a round at least, then none started after the time budget
         lengths = {name: next_probe(planned[name]["length"], {n: r["fits"] for n, r in probes[name].items()})
                    for name in args.rows}  # fmt: skip
-        running = {name: _start_isolated(probe, setup, name, n) for name, n in lengths.items() if n is not None}
+        running = {name: threads.submit(run_isolated, probe, setup, name, n, timeout_s=120)
+                   for name, n in lengths.items() if n is not None}  # fmt: skip
         if not running:
             break
         for name, future in running.items():

@@ -47,12 +47,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
-from multiprocessing import get_context
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from results import add_arguments, check, table, write
+from results import add_arguments, check, run_isolated, table, write
 
 GIB = 2**30
 SHARES = ("attention", "matmul", "chunked loss", "optimizer", "other kernels", "GPU idle (host gaps)")
@@ -310,18 +309,6 @@ def fit_trl(settings: dict[str, Any], data_dir: str) -> dict[str, Any]:
             "tokens_per_step": sum(timed) / steps}  # fmt: skip
 
 
-def run_isolated(function, /, *args):
-    """``function(*args)`` in a fresh spawned process; its result."""
-    return _start_isolated(function, *args).result()
-
-
-def _start_isolated(function, /, *args) -> Future:
-    executor = ProcessPoolExecutor(1, mp_context=get_context("spawn"))
-    future = executor.submit(function, *args)
-    executor.shutdown(wait=False)
-    return future
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="qwen3-0.6b")
@@ -340,12 +327,12 @@ def main() -> None:
         if not torch.cuda.is_available():
             sys.exit("benchmarks/gpu/step_profile.py needs a CUDA GPU and none is available: nothing was measured.")
     settings = _settings(args)
-    planned = _start_isolated(plan_fit, settings)  # on the CPU, beside the GPU runs
-    ours = run_isolated(fit_ours, settings)
+    planned = ThreadPoolExecutor(1).submit(run_isolated, plan_fit, settings, timeout_s=120)  # beside the GPU runs
+    ours = run_isolated(fit_ours, settings, timeout_s=120)
     print(f"ours: {ours['tokens_per_s']:,.0f} tokens/s, MFU {ours['mfu']:.1%}, attention {ours['attention']}, "
           f"peak {ours['peak_gib']:.2f} GiB", flush=True)
     with tempfile.TemporaryDirectory(prefix="step_profile_") as directory:
-        trl_run = run_isolated(fit_trl, settings, directory)
+        trl_run = run_isolated(fit_trl, settings, directory, timeout_s=120)
     print(f"trl: {trl_run}", flush=True)
     plan = planned.result()
     print(f"plan: {plan['peak_gib']:.2f} GiB, attention {plan['attention']}", flush=True)
