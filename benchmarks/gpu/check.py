@@ -67,6 +67,8 @@ PARTS: tuple[Part, ...] = (
     Part("offload", "offload.py", limit_s=90, args=("--layers", "4", "--steps", "2")),
     Part("packed attention", "packed_attention.py", limit_s=75),
     Part("planner", "planner_vs_measured.py", limit_s=100),
+    Part("step profile", "step_profile.py", limit_s=90),
+    Part("max length", "max_length.py", limit_s=130),
     Part("fsdp2", "fsdp2.py", limit_s=60, optional=True),
     Part("context parallel", "context_parallel.py", limit_s=60, optional=True),
     Part("grpo vllm", "grpo_vllm.py", limit_s=120),

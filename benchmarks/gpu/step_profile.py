@@ -247,8 +247,8 @@ def fit_ours(settings: dict[str, Any]) -> dict[str, Any]:
 def fit_trl(settings: dict[str, Any], data_dir: str) -> dict[str, Any]:
     """TRL's SFTTrainer on the same documents; ``{"skipped": reason}`` without trl or datasets."""
     try:
+        import trl  # before datasets, which it needs: the row names the first package missing
         import datasets
-        import trl
     except ImportError as error:
         return {"skipped": f"{error.name} missing"}
     import dataclasses
