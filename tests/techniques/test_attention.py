@@ -258,10 +258,12 @@ def test_varlen_by_document_puts_a_row_through_one_varlen_call(monkeypatch, caus
 
     def kernel(*args, **kwargs):
         calls.append(args[3].tolist())
+        starts.append(args[3])
         if not takes_groups:
             assert args[1].shape[1] == args[0].shape[1]  # heads repeated for a kernel without grouped heads
         return _reference_varlen(*args, **kwargs)
 
+    starts = []
     monkeypatch.setattr(attention, "_VARLEN_KERNEL", (kernel, causal, takes_groups))
     monkeypatch.setattr(attention, "_varlen_runs", lambda query, dropout: True)
     ours, reference = build_model(VARLEN_BY_DOCUMENT), build_model("sdpa")
@@ -278,6 +280,7 @@ def test_varlen_by_document_puts_a_row_through_one_varlen_call(monkeypatch, caus
     for (name, a), b in zip(ours.named_parameters(), reference.parameters()):
         torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-4, msg=name)
     assert calls == [[0, 5, 8, 15]] * ours.config.num_hidden_layers  # one call per layer for the whole row
+    assert all(tensor is starts[0] for tensor in starts)  # copied to the device once, not once per layer
 
 
 def test_varlen_by_document_without_its_kernel_is_sdpa_by_document() -> None:
