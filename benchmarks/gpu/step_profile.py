@@ -13,7 +13,8 @@ Each setting runs in a fresh process of its own (``run_isolated``), so none meas
   module, data and trainer arguments below, as ``lit-memtrain plan`` reads them), with the attention the plan
   assumed. Runs on the CPU, started first and collected last, beside the GPU runs.
 - ``ours``: ``Trainer.fit`` of :class:`~lit_memtrain.objectives.causal_lm.CausalLMModule` on the packed rows
-  (the ``PaddingFreeCollator`` batches the SFT datamodule makes, built here without ``datasets``): a few
+  (the ``PaddingFreeCollator`` batches the SFT datamodule makes, built here without ``datasets``), with the
+  progress bar ``lit-memtrain fit`` adds (it reads the logged loss at each step: a device sync): a few
   warm-up steps, then timed steps (one device sync at each end), then one step under ``torch.profiler``.
   Reported: tokens/s, MFU (:func:`~lit_memtrain.objectives.throughput.training_flops` over the time, against
   :func:`~lit_memtrain.objectives.throughput.peak_flops`: 6 FLOPs per parameter and token plus attention), the
@@ -175,6 +176,7 @@ def fit_ours(settings: dict[str, Any]) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
     from torch.utils.data import DataLoader
 
+    from lit_memtrain.cli.progress import StepProgressBar
     from lit_memtrain.objectives.causal_lm import CausalLMModule
     from lit_memtrain.objectives.throughput import attention_pairs, count_tokens, peak_flops, training_flops
 
@@ -220,8 +222,8 @@ def fit_ours(settings: dict[str, Any]) -> dict[str, Any]:
     module = CausalLMModule(**config["model"], warmup=0.0, min_lr_ratio=1.0)
     trainer = Trainer(
         accelerator="gpu" if cuda else "cpu", devices=1, max_steps=len(batches), logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-        num_sanity_val_steps=0, log_every_n_steps=warmup + steps, callbacks=[measure], **config["trainer"],
+        enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+        log_every_n_steps=warmup + steps, callbacks=[measure, StepProgressBar()], **config["trainer"],
     )  # fmt: skip
     trainer.fit(module, DataLoader(batches, batch_size=None))
     device = trainer.strategy.root_device
