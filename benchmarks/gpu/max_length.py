@@ -18,7 +18,7 @@ MLP; + offloaded checkpoints: each adds its technique to the row above, as the p
   the GPU), and no round starts after ``--time-budget-s`` (the dry run: one round).
 
 The table: planned length, the longest measured length that fit and the shortest that did not, measured /
-planned, and the peak allocated at the longest fit against the planner's peak at that length. The reserved
+planned, and at the planned length the planner's peak against the peak allocated there (if it fit). The reserved
 memory is what the cap limits, the planner predicts the allocated: a planned length that does not fit by a few
 percent is the allocator's share (``plan``'s default margin is 10%). Checked: every row's planned length is
 within 10% of the measured boundary, where a row was bracketed.
@@ -82,17 +82,10 @@ def plan_rows(setup: dict[str, Any]) -> dict[str, dict[str, Any]]:
     # run's two tiny rows one after the other, faster than starting workers for all of them on a small machine.
     with planner.searches_in_parallel(find_max_length=False, compare=setup["device"] == "cuda"):
         for name, (_, techniques, _) in rows.items():
-            planned[name] = {"length": planner.longest_length(techniques).max_length, "techniques": techniques.describe()}
+            search = planner.longest_length(techniques)
+            planned[name] = {"length": search.max_length, "peak_gib": search.peaks.get(search.max_length, 0) / GIB,
+                             "techniques": techniques.describe()}  # fmt: skip
     return planned
-
-
-def planned_peak(setup: dict[str, Any], name: str, length: int) -> float:
-    """The planner's peak (GiB) for row ``name`` at ``length`` tokens."""
-    from lit_memtrain.planner.plan import Budget, Planner
-
-    settings, techniques, _ = _row_settings(setup)[name]
-    planner = Planner(settings, Budget(int(setup["cap_gib"] * GIB), margin=0.0), progress=lambda line: None)
-    return planner.simulate(techniques, length).memory.device_peak / GIB
 
 
 def probe(setup: dict[str, Any], name: str, length: int) -> dict[str, Any]:
@@ -197,11 +190,11 @@ def main() -> None:
         fits = [n for n, r in probes[name].items() if r["fits"]]
         fails = [n for n, r in probes[name].items() if not r["fits"]]
         longest, shortest_fail = max(fits, default=None), min(fails, default=None)
-        peak = probes[name][longest]["peak_gib"] if longest else math.nan
-        predicted = planned_peak(setup, name, longest) if longest and not args.dry_run else math.nan
+        at_plan = probes[name].get(plan_length, {})
+        peak = at_plan["peak_gib"] if at_plan.get("fits") else math.nan  # an out-of-memory run's peak says little
         rows.append([name, planned[name]["techniques"], plan_length, longest, shortest_fail,
-                     longest / plan_length if longest else math.nan, peak, predicted,
-                     peak / predicted if longest and not args.dry_run else math.nan, len(probes[name])])  # fmt: skip
+                     longest / plan_length if longest else math.nan, planned[name]["peak_gib"], peak,
+                     peak / planned[name]["peak_gib"], len(probes[name])])  # fmt: skip
         if not args.dry_run and (len(probes[name]) == 3 or (longest and shortest_fail)):
             # The boundary lies between the longest fit and the shortest failure (either may be unknown).
             low, high = (longest or 0) * (1 - args.tolerance), (shortest_fail or math.inf) * (1 + args.tolerance)
@@ -209,7 +202,8 @@ def main() -> None:
                                 bool(longest and shortest_fail) and low <= plan_length <= high,
                                 f"planned {plan_length:,}; fit at {longest or 'none'}, not at {shortest_fail or 'none'}"))
     columns = ["row", "techniques", "planned longest", "measured: longest that fit", "measured: shortest that did not",
-               "longest fit / planned", "peak GiB at longest fit", "planned peak GiB there", "peak measured / planned",
+               "longest fit / planned", "planned peak GiB at planned length", "measured peak GiB there (if it fit)",
+               "peak measured / planned",
                "probes"]  # fmt: skip
     title = (f"{args.preset} width, {args.layers} layers, {precision}, AdamW, one row per step, under a cap of "
              f"{args.cap_gib} GiB (planner: no margin); lengths in tokens")  # fmt: skip
