@@ -239,14 +239,6 @@ def test_a_hung_part_is_killed_with_its_children_and_the_others_still_run(check_
     assert report["parts"][0]["seconds"] < 15
     assert not _is_running(int(pid_file.read_text()))
     assert "boom in the part" in report["parts"][1]["output_tail"]
-    speed, shares, memory = (t["rows"] for t in parts["step profile"]["result"]["tables"])
-    assert speed[0][0] == "lit-memtrain fit" and speed[0][4] > 0 and speed[1][0] == "TRL SFTTrainer (skipped: trl missing)"
-    assert [row[0] for row in shares][:4] == ["attention", "matmul", "chunked loss", "optimizer"]
-    assert 0.99 < sum(row[1] for row in shares) < 1.01 and all(row[1] >= 0 for row in shares)
-    assert memory[0][0] > 0 and memory[0][2] is None  # planned; nothing measured on the CPU
-    lengths = parts["max length"]["result"]["tables"][0]["rows"]
-    assert [row[0] for row in lengths] == ["+ chunked loss"] and lengths[0][2] >= 1024 and lengths[0][3] == lengths[0][2]
-
     markdown = (out / "report.md").read_text()
     assert "| plain | 1.500 |\n| ours | n/a |" in markdown
     assert "| x | 0.500 |" in markdown and "- **FAILED**: ratio above 1 (0.5)" in markdown
