@@ -118,15 +118,21 @@ class RemoteTraceback(Exception):
         return str(self.args[0])
 
 
-# What the running setting registered with watch(): (description, weak reference). Used in the child only.
-_watched: list[tuple[str, weakref.ref]] = []
+# What the running setting registered with watch(): (description, weak reference, freed only by a garbage
+# collection). Used in the child only.
+_watched: list[tuple[str, weakref.ref, bool]] = []
 
 
-def watch(obj: Any, name: str | None = None) -> None:
+def watch(obj: Any, name: str | None = None, *, after_collection: bool = False) -> None:
     """Register ``obj`` (a model, a LightningModule) as belonging to the setting that :func:`run_isolated` runs
     in this process: when the setting returns, ``obj`` must be gone, freed by reference counting alone (no
-    garbage collection). Otherwise :class:`SettingLeaked` is raised, naming what still refers to it."""
-    _watched.append((name or type(obj).__name__, weakref.ref(obj)))
+    garbage collection). Otherwise :class:`SettingLeaked` is raised, naming what still refers to it.
+
+    ``after_collection=True`` for what a library holds in reference cycles that are not ours to break (a
+    LightningModule after ``Trainer.fit``: the trainer's connectors refer to the trainer): then ``obj`` must be
+    gone after ``gc.collect()``, so what a setting keeps (a callback kept after the run, which refers to its
+    module through ``callback.log``) is still caught."""
+    _watched.append((name or type(obj).__name__, weakref.ref(obj), after_collection))
 
 
 def _cuda_allocated() -> int | None:
@@ -139,9 +145,18 @@ def _cuda_allocated() -> int | None:
 
 
 def _alive_watched() -> list[str]:
-    """The registered objects still alive, each with the types of what refers to it."""
+    """The registered objects still alive, each with the types of what refers to it: first those reference
+    counting must have freed, then, after a garbage collection, the others."""
+    alive = _alive([(name, reference) for name, reference, after_collection in _watched if not after_collection])
+    collected = [(name, reference) for name, reference, after_collection in _watched if after_collection]
+    if collected:
+        gc.collect()
+    return alive + _alive(collected)
+
+
+def _alive(watched: list[tuple[str, weakref.ref]]) -> list[str]:
     alive, here = [], sys._getframe()
-    for name, reference in _watched:
+    for name, reference in watched:
         obj = reference()
         if obj is not None:
             referrers = sorted({type(referrer).__name__ for referrer in gc.get_referrers(obj) if referrer is not here})

@@ -48,6 +48,20 @@ def leaks_through_a_cycle():
     watch(model, "the model")
 
 
+def freed_by_the_collector():
+    model = Model()
+    model.forward = lambda x, model=model: x
+    watch(model, "the model", after_collection=True)  # a library's cycle: allowed, collected
+    return "collected"
+
+
+def kept_despite_the_collector():
+    model = Model()
+    model.forward = lambda x, model=model: x
+    watch(model, "the model", after_collection=True)
+    KEPT.append(model)
+
+
 def fails():
     raise ValueError("no such setting: 3")
 
@@ -65,6 +79,11 @@ if __name__ == "__main__":
             run_isolated(leaking)
         except SettingLeaked as error:
             print("LEAK", leaking.__name__, error)
+    print("COLLECTED", run_isolated(freed_by_the_collector))
+    try:
+        run_isolated(kept_despite_the_collector)
+    except SettingLeaked as error:
+        print("KEPT", error)
     try:
         run_isolated(fails)
     except ValueError as error:
@@ -93,5 +112,7 @@ def test_run_isolated_runs_each_setting_in_a_fresh_process_and_reports_leaks_err
     assert leaks[0].startswith("LEAK leaks_through_a_global leaks_through_a_global returned but objects")
     assert "the model (referred to by: list)" in leaks[0]
     assert leaks[1].startswith("LEAK leaks_through_a_cycle ") and "the model (referred to by: " in leaks[1]
+    assert "COLLECTED collected" in lines
+    assert any(line.startswith("KEPT kept_despite_the_collector returned but") for line in lines), result.stdout
     assert "RAISED no such setting: 3 | True" in lines
     assert any(line.startswith("TIMEOUT hangs did not finish within 2 s") and line.endswith("True") for line in lines)
