@@ -4,8 +4,9 @@ A Qwen3-4B-shaped model (hidden 2560, 32 heads, 8 KV heads) with a few layers an
 forward + chunked loss + backward, with every layer checkpointed, on one packed padding-free row of
 ``--seq-len`` tokens made of documents with lognormal lengths (median ``--median-doc``). Each attention
 implementation runs in a process of its own (``results.run_isolated``), on the same weights and row (same
-seeds), after a warm-up step; the model is built on the device (built on the CPU in bf16 and moved, the random
-initialisation of its billion parameters took most of the 75 s the first GPU run allowed):
+seeds), after a warm-up step; the model is built on the device (built on the CPU in bf16 and moved, it did not
+finish its first configuration in the first GPU run's 75 s: bf16 random initialisation on the CPU took 62 s for
+the embedding and one layer, 490M parameters, on this project's 2-core machine):
 
 - ``sdpa``: transformers builds a dense ``L x L`` mask for the packed row and SDPA computes every block,
   masked (no flash kernel: it takes no mask);
