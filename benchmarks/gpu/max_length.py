@@ -14,8 +14,9 @@ MLP; + offloaded checkpoints: each adds its technique to the row above, as the p
   ``torch.cuda.set_per_process_memory_fraction`` (expandable segments on): an out-of-memory error means it does
   not fit. A bounded search, not a bisection: the first probe is the planner's length, the second 5% above it
   (if it fit) or below (if not), a third 10% away if the second went the same way; a row stops once bracketed.
-  Each round probes every row at once, each in its own process beside the others (the caps add up to less than
-  the GPU), and no round starts after ``--time-budget-s`` (the dry run: one round).
+  Rows take turns (every row's first probe before any row's second), each probe in a process of its own
+  (``run_isolated``: the next one imports while a probe runs); after ``--time-budget-s`` only rows not yet
+  probed are (the dry run: one probe).
 
 The table: planned length, the longest measured length that fit and the shortest that did not, measured /
 planned, and at the planned length the planner's peak against the peak allocated there (if it fit). The reserved
@@ -36,7 +37,6 @@ import math
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from results import add_arguments, check, run_isolated, table, write
@@ -147,7 +147,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--cap-gib", type=float, default=24.0, help="GPU memory each probe may use")
     parser.add_argument("--rows", nargs="+", default=list(ROWS), help="rows of plan --compare, by name")
-    parser.add_argument("--time-budget-s", type=float, default=80.0, help="no probe round starts after this")
+    parser.add_argument("--time-budget-s", type=float, default=90.0, help="no second probe starts after this")
+    parser.add_argument("--probe-timeout-s", type=float, default=30.0, help="a probe's own limit")
     parser.add_argument("--tolerance", type=float, default=0.10, help="largest |planned / measured length - 1|")
     add_arguments(parser)
     args = parser.parse_args()
@@ -169,21 +170,18 @@ def main() -> None:
     print(f"planned in {time.monotonic() - start:.0f} s: " + ", ".join(f"{n} {p['length']:,}" for n, p in planned.items()),
           flush=True)  # fmt: skip
     probes: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in args.rows}
-    threads = ThreadPoolExecutor(len(args.rows))  # each waits on one probe's process
-    while True:  # a round at least, then none started after the time budget
-        lengths = {name: next_probe(planned[name]["length"], {n: r["fits"] for n, r in probes[name].items()})
-                   for name in args.rows}  # fmt: skip
-        running = {name: threads.submit(run_isolated, probe, setup, name, n, timeout_s=120)
-                   for name, n in lengths.items() if n is not None}  # fmt: skip
-        if not running:
-            break
-        for name, future in running.items():
-            probes[name][lengths[name]] = result = future.result()
-            print(f"{name}: {lengths[name]:,} tokens {'fits' if result['fits'] else 'does not fit'} "
-                  f"(peak {result['peak_gib']:.2f} GiB, reserved {result['reserved_gib']:.2f}, {result['seconds']:.1f} s)",
-                  flush=True)  # fmt: skip
-        if time.monotonic() - start > args.time_budget_s:
-            break
+    pending = True
+    while pending:  # rounds over the rows (each row's first probe before any row's second); none after the budget
+        pending = False
+        for name in args.rows:
+            length = next_probe(planned[name]["length"], {n: r["fits"] for n, r in probes[name].items()})
+            if length is None or (probes[name] and time.monotonic() - start > args.time_budget_s):
+                continue
+            probes[name][length] = result = run_isolated(probe, setup, name, length, timeout_s=args.probe_timeout_s)
+            pending = True
+            print(f"[{time.monotonic() - start:.0f} s] {name}: {length:,} tokens "
+                  f"{'fits' if result['fits'] else 'does not fit'} (peak {result['peak_gib']:.2f} GiB, reserved "
+                  f"{result['reserved_gib']:.2f}, {result['seconds']:.1f} s)", flush=True)  # fmt: skip
     rows, checks = [], []
     for name in args.rows:
         plan_length = planned[name]["length"]

@@ -11,7 +11,7 @@ Each setting runs in a fresh process of its own (``run_isolated``), so none meas
 
 - ``plan``: the planner's predicted peak for the same fit arguments (``settings_from_config`` with the
   module, data and trainer arguments below, as ``lit-memtrain plan`` reads them), with the attention the plan
-  assumed. Runs on the CPU, started first and collected last, beside the GPU runs.
+  assumed. Runs on the CPU.
 - ``ours``: ``Trainer.fit`` of :class:`~lit_memtrain.objectives.causal_lm.CausalLMModule` on the packed rows
   (the ``PaddingFreeCollator`` batches the SFT datamodule makes, built here without ``datasets``), with the
   progress bar ``lit-memtrain fit`` adds (it reads the logged loss at each step: a device sync): a few
@@ -48,7 +48,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -329,15 +328,14 @@ def main() -> None:
         if not torch.cuda.is_available():
             sys.exit("benchmarks/gpu/step_profile.py needs a CUDA GPU and none is available: nothing was measured.")
     settings = _settings(args)
-    planned = ThreadPoolExecutor(1).submit(run_isolated, plan_fit, settings, timeout_s=120)  # beside the GPU runs
+    plan = run_isolated(plan_fit, settings, timeout_s=120)  # the next process imports meanwhile
+    print(f"plan: {plan['peak_gib']:.2f} GiB, attention {plan['attention']}", flush=True)
     ours = run_isolated(fit_ours, settings, timeout_s=120)
     print(f"ours: {ours['tokens_per_s']:,.0f} tokens/s, MFU {ours['mfu']:.1%}, attention {ours['attention']}, "
           f"peak {ours['peak_gib']:.2f} GiB", flush=True)
     with tempfile.TemporaryDirectory(prefix="step_profile_") as directory:
         trl_run = run_isolated(fit_trl, settings, directory, timeout_s=120)
     print(f"trl: {trl_run}", flush=True)
-    plan = planned.result()
-    print(f"plan: {plan['peak_gib']:.2f} GiB, attention {plan['attention']}", flush=True)
 
     speed_rows = [["lit-memtrain fit", ours["attention"], ours["tokens_per_step"], ours["step_s"],
                    ours["tokens_per_s"], 1.0, ours["mfu"], ours["mfu_6n"], ours["logged_mfu"]]]  # fmt: skip
