@@ -151,7 +151,7 @@ def _alive_watched() -> list[str]:
     collected = [(name, reference) for name, reference, after_collection in _watched if after_collection]
     if collected:
         gc.collect()
-    return alive + _alive(collected)
+    return alive + [f"{item}, after a garbage collection" for item in _alive(collected)]
 
 
 def _alive(watched: list[tuple[str, weakref.ref]]) -> list[str]:
@@ -177,8 +177,8 @@ def _run(function: Callable, args: tuple, kwargs: dict) -> bytes:
         alive = _alive_watched()
         if alive:
             raise SettingLeaked(
-                f"{function.__qualname__} returned but objects it registered with watch() are still alive without "
-                f"garbage collection: {'; '.join(alive)}. A setting measured after this one in the same process "
+                f"{function.__qualname__} returned but objects it registered with watch() are still alive: "
+                f"{'; '.join(alive)}. A setting measured after this one in the same process "
                 "would measure them too: drop every reference (callbacks kept after the run, reference cycles such "
                 "as a wrapped forward stored on its module)."
             )
