@@ -62,13 +62,17 @@ class Part:
     optional: bool = False
 
 
+# Limits: each setting of a part runs in a process of its own (results.run_isolated); the next one is started while
+# a setting runs, so a part pays the imports (10-20 s of torch, transformers, Lightning) about once, not per setting.
 PARTS: tuple[Part, ...] = (
     Part("gpu tests", "gpu_tests.py", limit_s=100),
-    Part("offload", "offload.py", limit_s=90, args=("--layers", "4", "--steps", "2")),
-    Part("packed attention", "packed_attention.py", limit_s=75),
-    Part("planner", "planner_vs_measured.py", limit_s=100),
-    Part("fsdp2", "fsdp2.py", limit_s=60, optional=True),
-    Part("context parallel", "context_parallel.py", limit_s=60, optional=True),
+    Part("offload", "offload.py", limit_s=100, args=("--layers", "4", "--steps", "2")),
+    Part("packed attention", "packed_attention.py", limit_s=90),
+    Part("planner", "planner_vs_measured.py", limit_s=120),
+    Part("step profile", "step_profile.py", limit_s=90),
+    Part("max length", "max_length.py", limit_s=130),
+    Part("fsdp2", "fsdp2.py", limit_s=90, optional=True),
+    Part("context parallel", "context_parallel.py", limit_s=80, optional=True),
     Part("grpo vllm", "grpo_vllm.py", limit_s=120),
 )
 

@@ -11,6 +11,9 @@ tiled MLP), on the same weights and tokens in every set-up:
   Checks: the first loss equals one GPU's within bf16 rounding, and each rank's peak is below one GPU's.
 
 Measured after a warm-up step: peak allocated memory (the largest over the ranks) and the median step time.
+Each one-rank run is measured in a process of its own (``results.run_isolated``): run after FSDP2 in the same
+process, ``ContextParallelStrategy(1)`` measured FSDP2's module, gradients and AdamW state too (kept alive by
+its callback). The ranks of the split are processes of their own anyway.
 
 Run from the repository root::
 
@@ -38,7 +41,7 @@ from lightning.fabric.plugins.environments.lightning import find_free_network_po
 from lightning.pytorch import Trainer  # noqa: E402
 from lightning.pytorch.strategies import Strategy  # noqa: E402
 import fsdp2  # noqa: E402
-from results import add_arguments, check, table, write  # noqa: E402
+from results import add_arguments, check, run_isolated, table, watch, write  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lit_memtrain.callbacks import GradientCheckpointing, TiledMLP  # noqa: E402
@@ -62,6 +65,7 @@ def run(strategy: Strategy, devices: int, args: argparse.Namespace) -> Measure:
         preset=args.preset, config_overrides={"num_hidden_layers": args.layers}, loss_chunk_size=4096,
         learning_rate=1e-5, attn_implementation="sdpa",
     )  # fmt: skip
+    watch(module, after_collection=True)  # Lightning's trainer refers to itself: freed by the collector
     trainer = Trainer(
         accelerator="cpu" if args.dry_run else "gpu", devices=devices, max_steps=args.steps, strategy=strategy,
         callbacks=[GradientCheckpointing(offload=True), TiledMLP(), measure], use_distributed_sampler=False,
@@ -71,6 +75,15 @@ def run(strategy: Strategy, devices: int, args: argparse.Namespace) -> Measure:
     rows = torch.randint(0, vocab, (args.steps, args.seq_len), generator=torch.Generator().manual_seed(1))
     trainer.fit(module, DataLoader([{"input_ids": row[None], "labels": row[None].clone()} for row in rows], batch_size=None))
     return measure
+
+
+def one_rank(strategy: str, args: argparse.Namespace) -> argparse.Namespace:
+    """A one-rank run (``"fsdp2"`` or ``"context parallel"``), in a process of its own: its measured figures."""
+    if strategy == "fsdp2":
+        measure = run(FSDP2Strategy(mixed_precision="bf16"), 1, args)
+    else:
+        measure = run(ContextParallelStrategy(1, mixed_precision="bf16"), 1, args)
+    return argparse.Namespace(**fsdp2.measured(measure))
 
 
 def split_worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
@@ -117,15 +130,15 @@ def main() -> None:
         sys.exit("benchmarks/gpu/context_parallel.py needs a CUDA GPU and none is available: nothing was measured.")
     else:
         world = torch.cuda.device_count()
-    device = "cpu (dry run)" if args.dry_run else f"{world} x {torch.cuda.get_device_name()}"
+    device = "cpu (dry run)" if args.dry_run else f"{world} CUDA GPU(s)"  # this process leaves CUDA to its children
     print(f"{device}, torch {torch.__version__}, {args.preset} with {args.layers} layers, bf16 compute, "
           f"{args.seq_len} tokens per step, chunked loss, offloaded checkpoints, tiled MLP", flush=True)  # fmt: skip
 
     # The split runs first: its ranks are spawned before this process has touched CUDA.
     split = split_run(world, args) if world >= 2 else None
     results = {
-        "FSDP2Strategy, 1 rank": run(FSDP2Strategy(mixed_precision="bf16"), 1, args),
-        "ContextParallelStrategy(1), 1 rank": run(ContextParallelStrategy(1, mixed_precision="bf16"), 1, args),
+        "FSDP2Strategy, 1 rank": run_isolated(one_rank, "fsdp2", args),
+        "ContextParallelStrategy(1), 1 rank": run_isolated(one_rank, "context parallel", args),
     }
     if split is not None:
         results[f"ContextParallelStrategy({world}, {args.method}), {world} ranks"] = split

@@ -4,7 +4,9 @@ A Qwen3-4B-shaped model (hidden 2560, MLP 9728, vocabulary 151,936) with fewer l
 weights is trained for a few steps by ``Trainer(strategy=FSDP2Strategy(mixed_precision="bf16",
 cpu_offload=...))`` on one sequence per step, with the chunked loss, checkpointing, tiled MLPs and gradient
 clipping (``gradient_clip_val=1.0``): first with the sharded state on the GPU, then with it in host memory (the
-optimizer steps on the CPU), in the same process, on the same weights and tokens. Measured after a warm-up
+optimizer steps on the CPU), each in a process of its own (``results.run_isolated``: in one process, the first
+run's module, gradients and AdamW state stayed alive through the second, held by its callback, whose ``log``
+Lightning sets to the module's), on the same weights and tokens. Measured after a warm-up
 step: peak allocated memory (``torch.cuda.max_memory_allocated``), the memory held between steps (parameters,
 gradients and AdamW state when they live on the GPU), and the median step time. Checks: the first loss is the
 same either way; clipping runs with ``cpu_offload`` (its gradient norm is a host tensor, reduced over the gloo
@@ -25,6 +27,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from lit_memtrain.techniques.allocator import enable_expandable_segments
 
@@ -38,6 +41,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from lit_memtrain.callbacks import GradientCheckpointing, TiledMLP  # noqa: E402
 from lit_memtrain.objectives.causal_lm import CausalLMModule  # noqa: E402
 from lit_memtrain.strategies import FSDP2Strategy  # noqa: E402
+from results import run_isolated, watch  # noqa: E402
 
 GIB = 2**30
 CLIP = 1.0
@@ -83,13 +87,23 @@ class Measure(Callback):
             self.grad_norms.append(gradient_norm(pl_module))
 
 
-def run(cpu_offload: bool, args: argparse.Namespace, rows: torch.Tensor) -> Measure:
+def measured(measure: Measure) -> dict[str, Any]:
+    """What a :class:`Measure` holds, without the callback itself (whose ``log`` is its module's)."""
+    names = ("times", "losses", "held", "grad_norms", "peak")
+    return {name: value for name, value in vars(measure).items() if name in names}
+
+
+def run(cpu_offload: bool, args: argparse.Namespace) -> dict[str, Any]:
+    """One training run, in a process of its own: the figures of its :class:`Measure`."""
     measure = Measure()
+    vocab = 512 if args.dry_run else 151_936
+    rows = torch.randint(0, vocab, (args.steps, args.seq_len), generator=torch.Generator().manual_seed(1))
     torch.manual_seed(0)
     module = CausalLMModule(
         preset=args.preset, config_overrides={"num_hidden_layers": args.layers}, loss_chunk_size=4096,
         learning_rate=1e-5, attn_implementation="sdpa",
     )
+    watch(module, after_collection=True)  # Lightning's trainer refers to itself: freed by the collector
     trainer = Trainer(
         accelerator="cpu" if args.dry_run else "gpu", devices=1, max_steps=args.steps, gradient_clip_val=CLIP,
         strategy=FSDP2Strategy(mixed_precision="bf16", cpu_offload=cpu_offload),
@@ -98,7 +112,7 @@ def run(cpu_offload: bool, args: argparse.Namespace, rows: torch.Tensor) -> Meas
     )
     batches = [{"input_ids": row[None], "labels": row[None].clone()} for row in rows]
     trainer.fit(module, DataLoader(batches, batch_size=None))
-    return measure
+    return measured(measure)
 
 
 def main() -> None:
@@ -114,12 +128,14 @@ def main() -> None:
         args.preset, args.seq_len, args.layers, args.steps = "tiny-qwen3", 64, 2, 3
     elif not torch.cuda.is_available():
         sys.exit("benchmarks/gpu/fsdp2.py needs a CUDA GPU and none is available: nothing was measured.")
-    device = "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name()
-    print(f"{device}, torch {torch.__version__}, {args.preset} with {args.layers} layers, fp32 master weights, "
-          f"bf16 compute, {args.seq_len} tokens per step, chunked loss, offloaded checkpoints, tiled MLP", flush=True)
-    vocab = 512 if args.dry_run else 151_936
-    rows = torch.randint(0, vocab, (args.steps, args.seq_len), generator=torch.Generator().manual_seed(1))
-    results = {"on the GPU": run(False, args, rows), "cpu_offload": run(True, args, rows)}
+    device = "cpu (dry run)" if args.dry_run else "CUDA GPU"
+    print(f"{device}, each run in a process of its own, torch {torch.__version__}, {args.preset} with {args.layers} "
+          f"layers, fp32 master weights, bf16 compute, {args.seq_len} tokens per step, chunked loss, offloaded "
+          "checkpoints, tiled MLP", flush=True)
+    results = {
+        name: argparse.Namespace(**run_isolated(run, cpu_offload, args))
+        for name, cpu_offload in (("on the GPU", False), ("cpu_offload", True))
+    }
 
     reference = results["on the GPU"]
     columns = ["setting", "peak GiB", "held between steps GiB", "step s", "peak ratio", "time ratio"]

@@ -2,7 +2,8 @@
 
 A Qwen3-4B-shaped model (hidden 2560, MLP 9728, vocabulary 151,936) with fewer layers and random bf16
 weights runs forward + chunked loss + backward on one sequence. Each setting is measured after a warm-up
-step, in the same process, on the same weights and tokens:
+step, in a process of its own (``results.run_isolated``: nothing an earlier setting left is measured), on the
+same weights and tokens (same seeds):
 
 - ``checkpointing``: non-reentrant checkpointing of every layer (the reference for the next two);
 - ``checkpointing + offload``: the same with :class:`lit_memtrain.techniques.offload.ActivationOffloader`;
@@ -12,9 +13,10 @@ step, in the same process, on the same weights and tokens:
 Printed per setting: peak allocated memory (``torch.cuda.max_memory_allocated``), the part of it above the
 memory held before the step (weights), median step time, bytes offloaded, and ratios against the
 reference; plus the largest relative gradient difference against the reference (offloading must not change
-the gradients). Checked (exit status 1 when one fails, for ``check.py``): the gradients agree; on a GPU,
-offloaded checkpoints and offloading without checkpointing lower the peak, and the allocator runs with
-expandable segments. Needs only torch and transformers.
+the gradients; the last eight parameters' gradients come back to this process in host memory, compared there).
+Checked (exit status 1 when one fails, for ``check.py``): the gradients agree; on a GPU, offloaded checkpoints
+and offloading without checkpointing lower the peak, and the allocator runs with expandable segments. Needs
+only torch and transformers.
 
 Run from the repository root (about 1-2 minutes on one H200)::
 
@@ -30,6 +32,7 @@ import math
 import statistics
 import sys
 import time
+from typing import Any
 
 from lit_memtrain.techniques.allocator import enable_expandable_segments
 
@@ -43,11 +46,19 @@ from lit_memtrain.models.layers import find_decoder_layers  # noqa: E402
 from lit_memtrain.techniques.loss import chunked_cross_entropy  # noqa: E402
 from lit_memtrain.techniques.offload import ActivationOffloader  # noqa: E402
 from lit_memtrain.models.presets import build_config  # noqa: E402
-from results import add_arguments, check, table, write  # noqa: E402
+from results import add_arguments, check, run_isolated, table, watch, write  # noqa: E402
 
 GIB = 2**30
 # Offloading copies tensors and back: gradients differ only by the GPU's non-deterministic kernels (bf16).
 GRADIENT_TOLERANCE = {"cuda": 1e-2, "cpu": 1e-6}
+# Each setting and the one it is compared with (measured first).
+REFERENCES = {
+    "checkpointing": "checkpointing",
+    "checkpointing + offload": "checkpointing",
+    "offloaded checkpoints": "checkpointing",
+    "no checkpointing": "no checkpointing",
+    "no checkpointing + offload": "no checkpointing",
+}
 
 
 def build_model(preset: str, layers: int, device: torch.device) -> torch.nn.Module:
@@ -91,7 +102,7 @@ def step(model: torch.nn.Module, input_ids: torch.Tensor, offloader: ActivationO
             forward_backward()
 
 
-def measure(model, input_ids, offloader, steps: int) -> dict[str, float]:
+def measure(model, input_ids, offloader, steps: int) -> dict[str, Any]:
     cuda = input_ids.is_cuda
     step(model, input_ids, offloader)  # warm-up: kernels, pinned-memory cache, allocator segments
     times, peaks, above = [], [], []
@@ -113,8 +124,26 @@ def measure(model, input_ids, offloader, steps: int) -> dict[str, float]:
         "above_weights": max(above) / GIB,
         "time": statistics.median(times),
         "offloaded": (offloader.stats.bytes / GIB) if offloader is not None else 0.0,
-        "grads": [p.grad.float().clone() for p in model.parameters() if p.grad is not None][-8:],
+        "grads": [p.grad.to("cpu") for p in model.parameters() if p.grad is not None][-8:],
+        "expandable_segments": expandable_segments_in_use() if cuda else None,
     }
+
+
+def measure_setting(setting: str, preset: str, layers: int, seq_len: int, steps: int, stash: int) -> dict[str, Any]:
+    """One setting of :data:`REFERENCES`, in a process of its own (on the CPU for the dry run's tiny preset)."""
+    device = torch.device("cpu" if preset.startswith("tiny") else "cuda")
+    model = build_model(preset, layers, device)
+    watch(model)
+    generator = torch.Generator(device).manual_seed(1)
+    input_ids = torch.randint(0, model.config.vocab_size, (1, seq_len), device=device, generator=generator)
+    if setting.startswith("checkpointing") or setting == "offloaded checkpoints":
+        apply_checkpointing(find_decoder_layers(model), offload=setting == "offloaded checkpoints")
+    offloader = None
+    if setting == "checkpointing + offload":
+        offloader = offloader_for(model, max_fwd_stash_size=stash)
+    elif setting == "no checkpointing + offload":
+        offloader = offloader_for(model)
+    return measure(model, input_ids, offloader, steps) | {"dtype": str(model.dtype)}
 
 
 def max_relative_difference(reference: list[torch.Tensor], other: list[torch.Tensor]) -> float:
@@ -139,44 +168,33 @@ def main() -> None:
         args.seq_len, args.plain_seq_len, args.layers, args.steps = 256, 128, 2, 1
     elif not torch.cuda.is_available():
         sys.exit("benchmarks/gpu/offload.py needs a CUDA GPU and none is available: nothing was measured.")
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (dry run)"
+    name = "CPU (dry run)" if args.dry_run else "CUDA GPU"
     print(f"{name}, torch {torch.__version__}, layers {args.layers}, {preset} width, "
-          f"chunked loss; {args.seq_len} tokens with checkpointing, {args.plain_seq_len} without", flush=True)
-    model = build_model(preset, args.layers, device)
-    layers = find_decoder_layers(model)
-    generator = torch.Generator(device).manual_seed(1)
-    input_ids = torch.randint(0, model.config.vocab_size, (1, args.seq_len), device=device, generator=generator)
-
+          f"chunked loss; {args.seq_len} tokens with checkpointing, {args.plain_seq_len} without; "
+          "each setting in a process of its own", flush=True)
     results: dict[str, dict] = {}
-    restore = apply_checkpointing(layers)
-    results["checkpointing"] = measure(model, input_ids, None, args.steps)
-    offloader = offloader_for(model, max_fwd_stash_size=args.stash)
-    results["checkpointing + offload"] = measure(model, input_ids, offloader, args.steps)
-    restore()
-    restore = apply_checkpointing(layers, offload=True)
-    results["offloaded checkpoints"] = measure(model, input_ids, None, args.steps)
-    restore()
-    input_ids = input_ids[:, : args.plain_seq_len]
-    results["no checkpointing"] = measure(model, input_ids, None, args.steps)
-    results["no checkpointing + offload"] = measure(model, input_ids, offloader_for(model), args.steps)
+    reference_grads: dict[str, list[torch.Tensor]] = {}  # host memory, one reference setting's at a time
+    for setting, reference in REFERENCES.items():
+        tokens = args.plain_seq_len if setting.startswith("no checkpointing") else args.seq_len
+        result = run_isolated(measure_setting, setting, preset, args.layers, tokens, args.steps, args.stash)
+        grads = [grad.float() for grad in result.pop("grads")]
+        if setting == reference:
+            reference_grads = {setting: grads}
+        result["grad_difference"] = max_relative_difference(reference_grads[reference], grads)
+        results[setting] = result
+        print(f"{setting}: peak {result['peak']:.2f} GiB, step {result['time']:.3f} s", flush=True)
+    del reference_grads, grads
 
-    references = {
-        "checkpointing": "checkpointing",
-        "checkpointing + offload": "checkpointing",
-        "offloaded checkpoints": "checkpointing",
-        "no checkpointing": "no checkpointing",
-        "no checkpointing + offload": "no checkpointing",
-    }
     columns = ["setting", "tokens", "peak GiB", "above weights GiB", "step s", "offloaded GiB", "peak ratio",
                "time ratio", "grad rel diff"]
     rows = []
     for setting, result in results.items():
-        reference = results[references[setting]]
+        reference = results[REFERENCES[setting]]
         tokens = args.plain_seq_len if setting.startswith("no checkpointing") else args.seq_len
         rows.append([
             setting, tokens, result["peak"], result["above_weights"], result["time"], result["offloaded"],
             result["peak"] / reference["peak"], result["time"] / reference["time"],
-            max_relative_difference(reference["grads"], result["grads"]),
+            result["grad_difference"],
         ])
     print(f"{'setting':<28}{'peak GiB':>10}{'above weights':>15}{'step s':>9}{'offloaded GiB':>15}"
           f"{'peak ratio':>12}{'time ratio':>12}{'grad rel diff':>15}")
@@ -197,7 +215,8 @@ def main() -> None:
             ours, theirs = results[setting]["peak"], results[reference]["peak"]
             checks.append(check(f"{setting} peaks lower than {reference}", ours < theirs,
                                 f"{ours:.2f} GiB against {theirs:.2f} GiB"))
-        expandable = expandable_segments_in_use()
+        in_use = [result["expandable_segments"] for result in results.values()]
+        expandable = None if None in in_use else all(in_use)
         checks.append(check("the caching allocator uses expandable segments", expandable is not False,
                             "every segment is expandable" if expandable else
                             "torch does not report it" if expandable is None else "some segments are not expandable"))
@@ -209,8 +228,9 @@ def main() -> None:
         f"offload without checkpointing {by_setting['no checkpointing + offload'][6]:.2f}x of none; "
         f"time {by_setting['offloaded checkpoints'][7]:.2f}x and {by_setting['no checkpointing + offload'][7]:.2f}x"
     )
-    title = (f"{preset} width, {args.layers} layers, {model.dtype}, chunked loss, median of {args.steps} steps; "
-             "ratios against the reference setting (checkpointing, or no checkpointing) in the same run")
+    title = (f"{preset} width, {args.layers} layers, {results['checkpointing']['dtype']}, chunked loss, median of "
+             f"{args.steps} steps, each setting in a process of its own; ratios against the reference setting "
+             "(checkpointing, or no checkpointing) in the same run")
     passed = write(args.json, summary=summary, tables=[table(title, columns, rows)], checks=checks, config=vars(args)
                    | {"json": str(args.json), "preset": preset, "device": str(device)})
     sys.exit(0 if passed else 1)

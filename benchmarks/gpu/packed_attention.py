@@ -2,8 +2,11 @@
 
 A Qwen3-4B-shaped model (hidden 2560, 32 heads, 8 KV heads) with a few layers and random bf16 weights runs
 forward + chunked loss + backward, with every layer checkpointed, on one packed padding-free row of
-``--seq-len`` tokens made of documents with lognormal lengths (median ``--median-doc``). Both attention
-implementations run in the same process on the same weights and row, after a warm-up step:
+``--seq-len`` tokens made of documents with lognormal lengths (median ``--median-doc``). Each attention
+implementation runs in a process of its own (``results.run_isolated``), on the same weights and row (same
+seeds), after a warm-up step; the model is built on the device (built on the CPU in bf16 and moved, it did not
+finish its first configuration in the first GPU run's 75 s: bf16 random initialisation on the CPU took 62 s for
+the embedding and one layer, 490M parameters, on this project's 2-core machine):
 
 - ``sdpa``: transformers builds a dense ``L x L`` mask for the packed row and SDPA computes every block,
   masked (no flash kernel: it takes no mask);
@@ -39,7 +42,7 @@ from lit_memtrain.datamodules.padding_free import PaddingFreeCollator
 from lit_memtrain.models.layers import find_decoder_layers
 from lit_memtrain.techniques.loss import chunked_cross_entropy
 from lit_memtrain.models.presets import build_config
-from results import add_arguments, check, table, write
+from results import add_arguments, check, run_isolated, table, watch, write
 
 GIB = 2**30
 IMPLEMENTATIONS = ("sdpa", SDPA_BY_DOCUMENT)
@@ -71,12 +74,15 @@ def step(model: torch.nn.Module, batch: dict[str, torch.Tensor], attention: str)
     chunked_cross_entropy(hidden, model.lm_head.weight, targets, chunk_size=4096).backward()
 
 
-def measure(
-    args: argparse.Namespace, attention: str, batch: dict[str, torch.Tensor], device: torch.device
-) -> dict[str, object]:
+def measure(args: argparse.Namespace, attention: str) -> dict[str, object]:
+    """One attention implementation, in a process of its own; the gradient compared comes back on the CPU."""
+    device = torch.device(args.device)
+    batch = packed_row(args.seq_len, args.median_doc, build_config(args.preset).vocab_size, device)
     torch.manual_seed(0)
     config = build_config(args.preset, {"num_hidden_layers": args.layers})
-    model = AutoModelForCausalLM.from_config(config, dtype=args.dtype, attn_implementation=attention).to(device)
+    with device:
+        model = AutoModelForCausalLM.from_config(config, dtype=args.dtype, attn_implementation=attention)
+    watch(model)
     apply_checkpointing(find_decoder_layers(model))
     cuda = device.type == "cuda"
     try:
@@ -95,14 +101,10 @@ def measure(
                 torch.cuda.synchronize()
             seconds.append(time.perf_counter() - start)
         peak = (torch.cuda.max_memory_allocated() - held) / GIB if cuda else float("nan")
-        gradient = model.model.layers[0].self_attn.q_proj.weight.grad.float().clone()
+        gradient = model.model.layers[0].self_attn.q_proj.weight.grad.to("cpu", torch.float32)
         return {"peak": peak, "seconds": statistics.median(seconds), "gradient": gradient}
     except torch.OutOfMemoryError:
         return {"peak": float("inf"), "seconds": float("inf"), "gradient": None}
-    finally:
-        del model
-        if cuda:
-            torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -123,13 +125,12 @@ def main() -> None:
     device = torch.device(args.device)
     args.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     vocab_size = build_config(args.preset).vocab_size
-    batch = packed_row(args.seq_len, args.median_doc, vocab_size, device)
-    documents = len(batch["cu_seq_lens_q"]) - 1
+    documents = len(packed_row(args.seq_len, args.median_doc, vocab_size, torch.device("cpu"))["cu_seq_lens_q"]) - 1
     print(
         f"{args.preset}, {args.layers} layers, {args.dtype}; one packed row of {args.seq_len:,} tokens, "
-        f"{documents} documents"
+        f"{documents} documents; each implementation in a process of its own", flush=True
     )
-    results = {attention: measure(args, attention, batch, device) for attention in IMPLEMENTATIONS}
+    results = {attention: run_isolated(measure, args, attention) for attention in IMPLEMENTATIONS}
     reference = results["sdpa"]["gradient"]
     ours, theirs = results[SDPA_BY_DOCUMENT], results["sdpa"]
     rows = []

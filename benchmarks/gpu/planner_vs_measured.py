@@ -10,7 +10,10 @@ over that second step: ``torch.cuda.max_memory_allocated`` (and the reserved pea
 fit), and both peaks above the memory held before the step (weights, optimizer state, inputs).
 
 The simulations run in a child process, before this one touches CUDA: the stand-in device the simulation
-registers must precede any backward in its process (see the module docstring of ``simulate``).
+registers must precede any backward in its process (see the module docstring of ``simulate``). Each
+configuration is measured in a process of its own too (``results.run_isolated``): measured one after the other
+in one process, each configuration's held memory grew by about a set of decoder layers, those of the earlier
+configurations, kept alive by a reference cycle until the next full garbage collection.
 
 Checked (exit status 1 when one fails, for ``check.py``): every measured peak is within ``--tolerance``
 (10%) of the prediction. The simulation counts allocations at their exact sizes, not kernel workspaces
@@ -34,13 +37,13 @@ import sys
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoModelForCausalLM
 
 from lit_memtrain.techniques.checkpointing import apply_checkpointing
 from lit_memtrain.models.layers import find_decoder_layers
 from lit_memtrain.techniques.loss import chunked_cross_entropy
 from lit_memtrain.models.presets import build_config
-from results import add_arguments, check, table, write
+from results import add_arguments, check, run_isolated, table, watch, write
 
 GIB = 2**30
 CHECKPOINTING = ("full", "offload")
@@ -78,11 +81,15 @@ def _simulate_in_this_process(request: str) -> None:
     print(json.dumps(predictions))
 
 
-def measure(config: PretrainedConfig, seq_len: int, checkpointing: str, device: torch.device) -> dict[str, float]:
-    """Peak memory of the simulated step, run for real (after a warm-up step that creates the AdamW state)."""
+def measure(preset: str, layers: int, seq_len: int, checkpointing: str, device: str) -> dict[str, float]:
+    """Peak memory of the simulated step, run for real (after a warm-up step that creates the AdamW state), in a
+    process of its own."""
+    config = build_config(preset, {"num_hidden_layers": layers})
+    device = torch.device(device)
     torch.manual_seed(0)
     with device:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").train()
+    watch(model)
     apply_checkpointing(find_decoder_layers(model), offload=checkpointing == "offload")
     optimizer = torch.optim.AdamW(model.parameters(), foreach=True)
     input_ids = torch.randint(0, config.vocab_size, (1, seq_len), device=device)
@@ -108,16 +115,12 @@ def measure(config: PretrainedConfig, seq_len: int, checkpointing: str, device: 
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated() / GIB if cuda else math.nan
-    measured = {
+    return {
         "peak": peak,
         "above_held": peak - held / GIB if cuda else math.nan,
         "reserved": torch.cuda.max_memory_reserved() / GIB if cuda else math.nan,
         "seconds": seconds,
     }
-    del model, optimizer
-    if cuda:
-        torch.cuda.empty_cache()
-    return measured
 
 
 def main() -> None:
@@ -141,12 +144,11 @@ def main() -> None:
     print(f"{args.preset} width, {args.layers} layers, bf16, chunked loss, AdamW; simulating "
           f"{len(configurations)} configurations in a child process", flush=True)
     predictions = simulate(args.preset, args.layers, configurations)
-    config = build_config(args.preset, {"num_hidden_layers": args.layers})
     rows, checks = [], []
     print(f"{'tokens':>8} {'checkpointing':>13} {'predicted GiB':>14} {'measured GiB':>13} {'ratio':>7} "
           f"{'above held: predicted':>22} {'measured':>9} {'reserved GiB':>13}")
     for (seq_len, mode), predicted in zip(configurations, predictions):
-        measured = measure(config, seq_len, mode, device)
+        measured = run_isolated(measure, args.preset, args.layers, seq_len, mode, str(device))
         ratio = measured["peak"] / predicted["peak"]
         rows.append([
             seq_len, mode, predicted["peak"], measured["peak"], ratio, predicted["above_held"],
@@ -167,7 +169,8 @@ def main() -> None:
                "above held: predicted GiB", "above held: measured GiB", "above held: ratio", "reserved GiB",
                "host GiB (predicted)", "simulation s", "step s"]
     title = (f"{args.preset} width, {args.layers} layers, bf16 parameters, gradients and AdamW state, chunked loss; "
-             "peak device memory of one step, predicted by the planner and measured in the same run")
+             "peak device memory of one step, predicted by the planner and measured in the same run, each "
+             "configuration in a process of its own")
     ratios = [row[4] for row in rows]
     summary = f"measured / predicted peak: {min(ratios):.3f} to {max(ratios):.3f} over {len(rows)} configurations"
     passed = write(args.json, summary=summary, tables=[table(title, columns, rows)], checks=checks,

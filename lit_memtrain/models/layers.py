@@ -7,7 +7,10 @@ PEFT), so they search for the layer stack rather than assume an attribute path.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import operator
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -64,14 +67,21 @@ def find_decoder_layers(model: nn.Module, path: str | None = None) -> nn.ModuleL
 def wrap_forwards(
     modules: Sequence[nn.Module], wrap: Callable[[nn.Module, Callable[..., Any]], Callable[..., Any]]
 ) -> Callable[[], None]:
-    """Set each module's ``forward`` (on the instance) to ``wrap(module, module.forward)``.
+    """Set each module's ``forward`` (on the instance) to ``wrap(module, forward)``.
 
     Patching the instance, not the class, leaves other models untouched and keeps module hooks outside the
     wrapper. Returns a function that puts the original ``forward`` back.
+
+    What ``wrap`` returns is stored in the module's own ``__dict__``, so it must not hold the module strongly:
+    that would be a reference cycle, and a model a user drops would stay in memory, weights and all, until the
+    garbage collector next runs (the first GPU check measured earlier configurations' layers this way). So
+    ``wrap`` gets a weak proxy of the module, and its forward bound weakly (the class's ``forward``, with its
+    name and signature, looked up through a weak reference at each call), or the forward set on the instance
+    before, as it is.
     """
     previous = [vars(module).get("forward") for module in modules]
-    for module in modules:
-        module.forward = wrap(module, module.forward)
+    for module, forward in zip(modules, previous):
+        module.forward = wrap(weakref.proxy(module), forward if forward is not None else _weakly_bound_forward(module))
 
     def restore() -> None:
         for module, forward in zip(modules, previous):
@@ -81,3 +91,15 @@ def wrap_forwards(
                 module.forward = forward
 
     return restore
+
+
+def _weakly_bound_forward(module: nn.Module) -> Callable[..., Any]:
+    """``module.forward`` as the class defines it, holding ``module`` by a weak reference only."""
+    function, reference = type(module).forward, weakref.ref(module)
+
+    @functools.wraps(function)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return function(reference(), *args, **kwargs)
+
+    forward.__signature__ = inspect.signature(module.forward)  # bound: without ``self``
+    return forward

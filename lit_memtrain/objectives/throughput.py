@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lit_memtrain.objectives.peak_flops import dense_peak_flops
+
 __all__ = [
     "ThroughputMeter",
     "attention_pairs",
@@ -101,10 +103,15 @@ def training_flops(model: nn.Module, tokens: int | Tensor, pairs: int | Tensor) 
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
-    """The device's peak FLOP/s in ``dtype`` from Lightning's table of accelerators; ``None`` on a CPU or an
-    accelerator the table does not know (MFU is then not reported)."""
+    """The device's dense peak FLOP/s in ``dtype``: from :data:`~lit_memtrain.objectives.peak_flops.DENSE_PEAK_FLOPS`
+    for the data-centre GPUs it lists (H100, H200, GH200, L40S, A100), else from Lightning's table of accelerators;
+    ``None`` on a CPU or an accelerator neither knows (MFU is then not reported)."""
     if device.type not in ("cuda", "xla"):
         return None
+    if device.type == "cuda":
+        dense = dense_peak_flops(torch.cuda.get_device_name(device), dtype)
+        if dense is not None:
+            return dense
     from lightning.fabric.utilities.throughput import get_available_flops
 
     flops = get_available_flops(device, dtype)

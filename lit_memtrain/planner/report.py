@@ -70,6 +70,7 @@ class PlanReport:
             "trainable_parameters": self.step.trainable_parameters,
             "layers": self.step.layers,
             "vocab_size": self.step.vocab_size,
+            "attention": self.step.attention,
             "precision": self.settings.precision,
             "techniques": techniques_of(self.settings).describe(),
             "strategy": {

@@ -21,7 +21,10 @@ What differs from a GPU run, on purpose:
 - The model's weights are never read: the model is built from its config (preset, local ``config.json`` or
   the hub cache) on the meta device, LoRA-wrapped and converted there, then placed on the stand-in device.
 - Attention runs through the simulated O(L) flash kernel whatever ``attn_implementation`` says; the plan's
-  notes give the size of what an implementation would add (eager's scores, sdpa's dense masks).
+  notes give the size of what an implementation would add (eager's scores, sdpa's dense masks). The
+  implementation planned for is the one named, else the one ``fit`` chooses on a CUDA GPU when none is named
+  (:func:`~lit_memtrain.techniques.attention.choose_document_attention`: ``varlen_by_document`` with this
+  torch, flash-attn's kernel where flash-attn is installed), whose memory that kernel's is.
 - AdamW is fused, as ``configure_optimizers`` chooses on CUDA (the stand-in device is not CUDA).
 - Rows are full (``max_length`` tokens, every target trainable) and passed without ``position_ids`` (one
   document per row; transformers builds the same positions itself).
@@ -83,8 +86,9 @@ from lit_memtrain.planner.simulate import (
 from lit_memtrain.planner.techniques import is_technique
 from lit_memtrain.planner.tracker import Segment
 from lit_memtrain.objectives.probes import LogitTransform
+from lit_memtrain.techniques.attention import choose_document_attention
 
-__all__ = ["StepSimulation", "simulate_fit_step"]
+__all__ = ["StepSimulation", "planned_attention", "simulate_fit_step"]
 
 _TRUE_PRECISION_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
 _MIXED_PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -102,6 +106,7 @@ class StepSimulation:
         layers: decoder layers.
         vocab_size: rows of the embedding and of the LM head (a preset's own; the logits are tokens x this).
         notes: what the plan should say alongside the figures (assumptions, what is not included).
+        attention: the attention implementation planned for (:func:`planned_attention`).
     """
 
     memory: MemoryReport
@@ -111,6 +116,19 @@ class StepSimulation:
     layers: int
     vocab_size: int
     notes: tuple[str, ...]
+    attention: str
+
+
+def planned_attention(settings: PlanSettings, model: torch.nn.Module) -> str:
+    """The attention implementation a fit of ``settings`` runs ``model`` with on a CUDA GPU: the one named
+    (``attn_implementation``), else what :class:`~lit_memtrain.objectives.causal_lm.CausalLMModule` chooses on the
+    training device when none is named (:func:`~lit_memtrain.techniques.attention.choose_document_attention`)."""
+    named = settings.module.get("attn_implementation")
+    if named:
+        return named
+    dtype = settings.module.get("dtype")
+    half_precision = dtype in ("bfloat16", "float16") or settings.precision.startswith(("bf16", "16"))
+    return choose_document_attention(model, torch.device("cuda"), half_precision)
 
 
 @dataclass
@@ -295,6 +313,7 @@ def _simulate(settings: PlanSettings, model: _ModelPlan, max_length: int, layers
         # The setup probes read values, which fake tensors have none of; a logit scale or cap the chunked loss
         # applies costs no memory worth simulating, so the plain head stands in for what the probe would find.
         module.setup_probes.assume_passed(logit_transform=LogitTransform())
+        attention = planned_attention(settings, module.model)
         try:
             with norm_probes_on_real_tensors():
                 for callback in callbacks:
@@ -326,7 +345,7 @@ def _simulate(settings: PlanSettings, model: _ModelPlan, max_length: int, layers
             module.trainer = None
     bucket_bytes = sum(bucket.nbytes for bucket in buckets)
     notes = [*_ddp_notes(settings, bucket_bytes), *notes]
-    notes += _attention_notes(settings, max_length, model_config.num_attention_heads)
+    notes += _attention_notes(settings, attention, max_length, model_config.num_attention_heads)
     if settings.module_class == DPO_MODULE:
         notes.append(_reference_note(module.reference_mode))
     parameters = sum(param.numel() for param in module.model.parameters())
@@ -339,6 +358,7 @@ def _simulate(settings: PlanSettings, model: _ModelPlan, max_length: int, layers
         layers=len(find_decoder_layers(module.model)),
         vocab_size=model_config.vocab_size,
         notes=tuple(notes),
+        attention=attention,
     )
     return _Simulated(step, segments, bucket_bytes)
 
@@ -545,26 +565,29 @@ def _precision_context(precision: str) -> Iterator[None]:
         yield
 
 
-def _attention_notes(settings: PlanSettings, max_length: int, heads: int) -> list[str]:
-    """What the configured attention would add to the simulated O(L) kernel, at ``max_length``."""
-    name = settings.module.get("attn_implementation") or "sdpa"
+def _attention_notes(settings: PlanSettings, name: str, max_length: int, heads: int) -> list[str]:
+    """Which attention ``name`` is when chosen as ``fit`` would choose it, and what it would add to the simulated
+    O(L) kernel at ``max_length``."""
+    notes = [] if settings.module.get("attn_implementation") else [
+        f"Attention: {name!r}, what fit chooses on a CUDA GPU when none is named."
+    ]  # fmt: skip
     row = settings.sequences * max_length if settings.padding_free else max_length
     rows = 1 if settings.padding_free else settings.sequences
     square = rows * row * row
     if name == "eager":
-        return [
+        notes.append(
             f"attn_implementation='eager' materialises heads x L x L attention scores: "
             f"{heads * square * 4 / 2**30:,.1f} GiB per layer in fp32 at {row:,} tokens, not included. Use sdpa or "
             "flash attention."
-        ]
-    if name == "sdpa" and settings.padding_free:
-        return [
+        )
+    elif name == "sdpa" and settings.padding_free:
+        notes.append(
             f"attn_implementation='sdpa' on packed rows builds a dense L x L mask ({square / 2**30:,.1f} GiB at "
             f"{row:,} tokens), not included: use 'sdpa_by_document' or flash_attention_2 for packed rows."
-        ]
-    if name == "sdpa" and rows > 1:
-        return [
+        )
+    elif name == "sdpa" and rows > 1:
+        notes.append(
             f"attn_implementation='sdpa' builds a [{rows}, 1, L, L] mask when a padded row has padding "
             f"({square / 2**30:,.1f} GiB at {row:,} tokens), not included."
-        ]
-    return []
+        )
+    return notes

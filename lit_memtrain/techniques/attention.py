@@ -89,8 +89,11 @@ def sdpa_by_document(
         output = _causal_sdpa(query, key, value, scaling, dropout)
     else:
         attend = _varlen_row if varlen and _varlen_runs(query, dropout) else _attend_row
-        rows = enumerate(bounds)
-        output = torch.cat([attend(query, key, value, row, row_bounds, scaling, dropout) for row, row_bounds in rows])
+        rows = [attend(query, key, value, row, row_bounds, scaling, dropout) for row, row_bounds in enumerate(bounds)]
+        # One row (every padding-free batch) is not copied by a cat: varlen's [L, heads, head_dim] output then needs
+        # no copy below either, and the output the kernel saves for backward is the one the next layer reads (a cat
+        # and a contiguous copy of it cost 2 x 64 MiB per layer at 16k tokens on Qwen3-0.6B, one of them kept).
+        output = rows[0] if len(rows) == 1 else torch.cat(rows)
     return output.transpose(1, 2).contiguous(), None
 
 
@@ -137,12 +140,22 @@ def _varlen_row(
         key_rows, value_rows = key_rows.repeat_interleave(groups, dim=1), value_rows.repeat_interleave(groups, dim=1)
     extra = {"enable_gqa": True} if groups > 1 and takes_groups else {}
     bounds = [bound for index, bound in enumerate(bounds) if index == 0 or bound != bounds[index - 1]]  # no empty ones
-    starts = torch.tensor(bounds, dtype=torch.int32, device=query.device)
+    starts = _device_starts(tuple(bounds), query.device)
     longest = max(stop - start for start, stop in pairwise(bounds))
     output = kernel(
         query_rows, key_rows, value_rows, starts, starts, longest, longest, scale=scaling, **causal, **extra
     )
     return output.transpose(0, 1).unsqueeze(0)
+
+
+@functools.lru_cache(maxsize=8)
+def _device_starts(bounds: tuple[int, ...], device: torch.device) -> Tensor:
+    """The kernel's document starts on ``device``, made once per row of documents rather than once per layer:
+    ``torch.tensor(bounds, device=cuda)`` copies from pageable host memory and waits for the device to finish
+    all its queued work, a sync in every layer's forward that kept the host from running ahead of the GPU. From
+    pinned memory the copy is queued without waiting. Read-only for the kernel, so every layer shares it."""
+    host = torch.tensor(bounds, dtype=torch.int32)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
 
 def _attend_row(

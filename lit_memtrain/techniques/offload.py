@@ -14,9 +14,13 @@ Rules, each learned from a failure in torchtune or TRL:
   refreshed at each layer's pre-hook, after FSDP2 has unsharded that layer.
 - Tiny tensors (under ``min_offload_bytes``) and tensor subclasses such as DTensor stay.
 - Tensors saved while backward runs (checkpoint or tiled-MLP recomputation) stay: they are used at once.
-- The same tensor saved by several ops (the input of the q/k/v projections, saved as a fresh flattened
-  view by each matmul) is copied once: saved tensors are matched by storage, offset, shape, strides and
-  version, and a weak reference to the storage keeps that match from confusing a freed storage with a new one.
+- One host copy per storage: views of one storage saved by several ops (the input of the q/k/v projections,
+  saved as a fresh flattened view by each matmul; the softmax output of the math attention kernel and the
+  batched view of it its matmul saves) are copied once, the whole storage, and each view is rebuilt on it
+  (offset, shape, strides, dtype) when backward needs it. Copying each view apart copied such a storage
+  twice and brought back two device copies. (A small view of a large storage brings the whole storage: the
+  device frees it only if nothing else holds it, and then all of it.) Saved tensors are matched by storage and
+  version; a weak reference to the storage keeps that match from confusing a freed storage with a new one.
 - The last ``max_fwd_stash_size`` tensors also stay on the device: backward needs them first.
 - With CUDA streams the copies run on a side stream ordered by events. The compute stream is looked up
   (``torch.cuda.current_stream()``) at every use, never captured once: a stream captured at set-up is the
@@ -38,7 +42,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -54,7 +58,8 @@ __all__ = ["ActivationOffloader", "OffloadStats"]
 
 @dataclass
 class OffloadStats:
-    """What one step offloaded: distinct tensors and their bytes, per decoder layer."""
+    """What one step offloaded, per decoder layer: host copies (one per storage, however many views of it were
+    saved) and their bytes, i.e. what left the device."""
 
     tensors_per_layer: list[int]
     bytes_per_layer: list[int]
@@ -71,13 +76,34 @@ class OffloadStats:
 
 @dataclass
 class _Record:
-    """One offloaded tensor: its host copy, its device copy while one is held, and the copy in flight."""
+    """One offloaded storage, as bytes: its host copy, its device copy while one is held, the copy in flight."""
 
     host: Tensor
     device: Tensor | None
     device_of_origin: torch.device
     pending_unpacks: int = 1
     copy_done: torch.cuda.Event | None = None
+
+
+class _Packed(NamedTuple):
+    """What the pack hook gives autograd for an offloaded tensor: its storage's record and its place in it."""
+
+    key: int
+    dtype: torch.dtype
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+def _storage_bytes(tensor: Tensor) -> Tensor:
+    """The whole storage of ``tensor`` as a flat uint8 tensor (no copy; ``set_`` would keep fake storages alive)."""
+    whole = tensor.detach().as_strided((tensor.untyped_storage().nbytes() // tensor.element_size(),), (1,), 0)
+    return whole.view(torch.uint8)
+
+
+def _view_on(storage_bytes: Tensor, packed: _Packed) -> Tensor:
+    """The saved tensor ``packed`` describes, rebuilt on the storage ``storage_bytes`` covers (no copy)."""
+    return storage_bytes.view(packed.dtype).as_strided(packed.shape, packed.stride, packed.offset)
 
 
 def _host_ram_percent() -> float:
@@ -135,7 +161,7 @@ class ActivationOffloader:
         self.stats = OffloadStats([0] * len(self.layers), [0] * len(self.layers))
         self._records: dict[int, _Record] = {}
         self._stash: list[int] = []
-        self._key_of_view: dict[tuple[Any, ...], tuple[StorageWeakRef, int, int]] = {}
+        self._key_of_storage: dict[int, tuple[StorageWeakRef, int, int]] = {}
         self._current_layer: int | None = None
         self._layer_storages: set[int] = set()
         self._prefetched: int | None = None
@@ -184,7 +210,7 @@ class ActivationOffloader:
             self._settle(record)
         self._records.clear()
         self._stash.clear()
-        self._key_of_view.clear()
+        self._key_of_storage.clear()
         self._current_layer = None
         self._layer_storages = set()
         self._prefetched = None
@@ -225,6 +251,10 @@ class ActivationOffloader:
             return False
         if tensor.layout != torch.strided or is_traceable_wrapper_subclass(tensor):
             return False
+        if tensor.is_conj() or tensor.is_neg():  # a view rebuilt on the storage would lose the lazy bit
+            return False
+        if tensor.untyped_storage().nbytes() % tensor.element_size():  # not one dtype's storage: not rebuilt
+            return False
         if tensor.numel() * tensor.element_size() < self.min_offload_bytes:
             return False
         return tensor.untyped_storage()._cdata not in self._layer_storages
@@ -233,41 +263,43 @@ class ActivationOffloader:
         if not self._should_offload(tensor):
             return tensor
         storage = tensor.untyped_storage()
-        view = (storage._cdata, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
-        known = self._key_of_view.get(view)
+        packed = _Packed(
+            len(self._records), tensor.dtype, tensor.storage_offset(), tuple(tensor.shape), tensor.stride()
+        )
+        known = self._key_of_storage.get(storage._cdata)
         if known is not None and not known[0].expired() and known[1] == tensor._version:
             self._records[known[2]].pending_unpacks += 1
-            return known[2]
-        key = len(self._records)
-        host = torch.empty_like(tensor, device="cpu", pin_memory=tensor.is_cuda)
-        record = _Record(host=host, device=tensor, device_of_origin=tensor.device)
+            return packed._replace(key=known[2])
+        device_bytes = _storage_bytes(tensor)
+        host = torch.empty_like(device_bytes, device="cpu", pin_memory=tensor.is_cuda)
+        record = _Record(host=host, device=device_bytes, device_of_origin=tensor.device)
         if self._uses_streams(tensor.device):
             compute = torch.cuda.current_stream(tensor.device)
             copy = self._copy_stream(tensor.device)
             copy.wait_stream(compute)
             with torch.cuda.stream(copy):
-                host.copy_(tensor, non_blocking=True)
+                host.copy_(device_bytes, non_blocking=True)
                 record.copy_done = copy.record_event()
         else:
-            host.copy_(tensor)
-        self._records[key] = record
-        self._key_of_view[view] = (StorageWeakRef(storage), tensor._version, key)
-        nbytes = host.numel() * host.element_size()
+            host.copy_(device_bytes)
+        self._records[packed.key] = record
+        self._key_of_storage[storage._cdata] = (StorageWeakRef(storage), tensor._version, packed.key)
+        nbytes = host.numel()
         self._host_bytes += nbytes
         self.stats.peak_host_bytes = max(self.stats.peak_host_bytes, self._host_bytes)
         self.stats.tensors_per_layer[self._current_layer] += 1
         self.stats.bytes_per_layer[self._current_layer] += nbytes
-        self._stash.append(key)
+        self._stash.append(packed.key)
         while len(self._stash) > self.max_fwd_stash_size:
             evicted = self._records[self._stash.pop(0)]
             self._settle(evicted)
             evicted.device = None
-        return key
+        return packed
 
     def _unpack(self, packed: Any) -> Tensor:
         if isinstance(packed, Tensor):
             return packed
-        record = self._records.get(packed)
+        record = self._records.get(packed.key)
         if record is None:
             raise RuntimeError(
                 "An offloaded activation was already released: backward ran after the ActivationOffloader "
@@ -276,13 +308,13 @@ class ActivationOffloader:
         if record.device is None:
             self._bring_back(record)
         self._settle(record)
-        tensor = record.device
+        tensor = _view_on(record.device, packed)
         record.pending_unpacks -= 1
         if record.pending_unpacks <= 0:
             record.device = None
-            if packed in self._stash:
-                self._stash.remove(packed)
-        self._prefetch_before(packed)
+            if packed.key in self._stash:
+                self._stash.remove(packed.key)
+        self._prefetch_before(packed.key)
         return tensor
 
     def _bring_back(self, record: _Record) -> None:

@@ -122,10 +122,10 @@ def test_dry_run_without_the_optional_packages_runs_every_part_and_writes_the_re
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     report = json.loads((out / "report.json").read_text())
     parts = {part["name"]: part for part in report["parts"]}
-    assert list(parts) == ["gpu tests", "offload", "packed attention", "planner", "fsdp2", "context parallel",
-                           "grpo vllm"]
+    assert list(parts) == ["gpu tests", "offload", "packed attention", "planner", "step profile", "max length", "fsdp2",
+                           "context parallel", "grpo vllm"]
     assert parts["grpo vllm"]["status"] == "skipped" and "vllm" in json.dumps(parts["grpo vllm"])  # not installed
-    for name in ("gpu tests", "offload", "packed attention", "planner"):
+    for name in ("gpu tests", "offload", "packed attention", "planner", "step profile", "max length"):
         assert parts[name]["status"] == "passed", parts[name]
         assert all(item["passed"] for item in parts[name]["result"]["checks"])
     for name, script in (("fsdp2", "fsdp2.py"), ("context parallel", "context_parallel.py")):
@@ -141,6 +141,14 @@ def test_dry_run_without_the_optional_packages_runs_every_part_and_writes_the_re
     assert [(row[0], row[1]) for row in planner] == [(64, "full"), (64, "offload"), (128, "full"), (128, "offload")]
     assert all(row[2] > 0 and row[3] is None for row in planner)  # predicted; nothing measured on the CPU
     assert planner[2][2] > planner[0][2]  # more tokens, more memory
+
+    speed, shares, memory = (t["rows"] for t in parts["step profile"]["result"]["tables"])
+    assert speed[0][0] == "lit-memtrain fit" and speed[0][4] > 0 and speed[1][0] == "TRL SFTTrainer (skipped: trl missing)"
+    assert [row[0] for row in shares][:4] == ["attention", "matmul", "chunked loss", "optimizer"]
+    assert 0.99 < sum(row[1] for row in shares) < 1.01 and all(row[1] >= 0 for row in shares)
+    assert memory[0][0] > 0 and memory[0][2] is None  # planned; nothing measured on the CPU
+    lengths = parts["max length"]["result"]["tables"][0]["rows"]
+    assert [row[0] for row in lengths] == ["+ chunked loss"] and lengths[0][2] >= 1024 and lengths[0][3] == lengths[0][2]
 
     markdown = (out / "report.md").read_text()
     assert "no GPU (dry run on the CPU: figures mean nothing)" in markdown

@@ -126,3 +126,34 @@ def test_the_training_step_reads_no_value_from_the_device(tmp_path, monkeypatch,
     # position values once per forward to find packed documents; this test is about the step around it.
     _fit(tmp_path, max_steps=2, every=1, accumulate=accumulate, padded=False, attn_implementation="sdpa")
     assert counter.reads == []
+
+
+@pytest.mark.parametrize(
+    ("device_name", "dtype", "expected"),
+    [
+        ("NVIDIA H200", torch.bfloat16, 989.0e12),  # Lightning's table knows only "h200 sxm1" (and sparse figures)
+        ("NVIDIA H200 NVL", torch.bfloat16, 835.5e12),
+        ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989.0e12),
+        ("NVIDIA H100 PCIe", torch.float16, 756.0e12),
+        ("NVIDIA GH200 480GB", torch.float32, 66.9e12),
+        ("NVIDIA A100-SXM4-80GB", torch.bfloat16, 312.0e12),
+        ("Tesla T4", torch.float16, 65e12),  # not in our table: Lightning's
+        ("Some Future GPU", torch.bfloat16, None),
+    ],
+)
+def test_peak_flops_are_dense_datasheet_figures_by_cuda_device_name(monkeypatch, device_name, dtype, expected):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: device_name)
+    assert throughput_file.peak_flops(torch.device("cuda", 0), dtype) == expected
+
+
+def test_mfu_is_logged_on_an_h200(monkeypatch):
+    """What the first GPU run missed ("FLOPs not found for 'NVIDIA H200'"): the meter's measurement has an MFU."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(throughput_file, "_synchronize", lambda device: None)
+    model = AutoModelForCausalLM.from_config(build_config("tiny-qwen3"))
+    ids = torch.arange(16).view(1, 16)
+    meter = throughput_file.ThroughputMeter()
+    meter.start(torch.device("cuda", 0), 0)
+    meter.count({"input_ids": ids, "labels": ids}, 1, torch.device("cuda", 0), reduce=None)
+    metrics = meter.update(1, 1, 1, model, torch.device("cuda", 0), "bf16-true")
+    assert metrics["train/device/mfu"] == pytest.approx(metrics["train/device/flops_per_sec"] / 989.0e12)

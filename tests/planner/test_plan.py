@@ -50,7 +50,8 @@ def settings(layers, **changes):
 def report(planner_settings):
     step = Planner(planner_settings, Budget(2**40), progress=lambda line: None).simulate()
     return {"peak": step.memory.device_peak, "host": step.memory.host_at_peak, "phase": step.memory.phase,
-            "breakdown": breakdown(step), "parameters": step.parameters, "notes": step.notes}
+            "breakdown": breakdown(step), "parameters": step.parameters, "notes": step.notes,
+            "attention": step.attention}
 
 results = {name: report(value) for name, value in {
     "two": settings(2),
@@ -103,7 +104,7 @@ def simulate_fit_step(settings, max_length):
     key = sum(map(ord, repr(sorted(spec.class_path for spec in settings.callbacks))))
     peak = 2**20 + (64 + key % 97) * max_length
     memory = MemoryReport(peak, 0, {"activations": peak}, 2**20, "forward")
-    return StepSimulation(memory, max_length, 1, 1, 2, 512, (str(os.getpid()),))
+    return StepSimulation(memory, max_length, 1, 1, 2, 512, (str(os.getpid()),), "sdpa_by_document")
 
 settings = read_fit_config(json.loads(sys.argv[1]))
 budget = plan.Budget(2**30)
@@ -205,6 +206,28 @@ def test_offloaded_checkpoints_hold_every_layer_input_on_the_host(simulated):
     assert on_device["breakdown"]["activations"] - offloaded["breakdown"]["activations"] == 3 * L * H * FP32
 
 
+def test_the_plan_assumes_the_attention_fit_chooses_on_a_cuda_gpu(simulated):
+    """None named: fit on CUDA takes torch's varlen kernel per packed row (flash-attn's where it is installed)."""
+    import importlib.util
+
+    expected = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "varlen_by_document"
+    assert simulated["two"]["attention"] == expected
+    assert f"Attention: {expected!r}, what fit chooses on a CUDA GPU when none is named." in simulated["two"]["notes"]
+    assert not any("dense L x L mask" in note for note in simulated["two"]["notes"])  # sdpa's, assumed before
+
+
+def test_a_named_attention_is_planned_as_named():
+    from lit_memtrain.planner.settings import PlanSettings
+    from lit_memtrain.planner.simulate import meta_causal_lm
+    from lit_memtrain.planner.step import planned_attention
+
+    model = meta_causal_lm("tiny-qwen3")
+    named = PlanSettings(module={"preset": "tiny-qwen3", "attn_implementation": "sdpa"})
+    assert planned_attention(named, model) == "sdpa"
+    unnamed = PlanSettings(module={"preset": "tiny-qwen3"}, precision="bf16-true")
+    assert planned_attention(unnamed, model) in ("varlen_by_document", "flash_attention_2")
+
+
 def test_ddp_adds_one_copy_of_the_gradients(simulated):
     ddp, single = simulated["three_ddp"], simulated["three"]
     assert ddp["breakdown"]["gradients"] == 2 * single["breakdown"]["gradients"]
@@ -249,6 +272,7 @@ def test_cli_json_compare_and_plot(preloaded_python):
     assert result.returncode == 0, result.stderr[-3000:]
     plan = json.loads(result.stdout)
     assert plan["sequence_length"] == 4096 and plan["precision"] == "32-true"
+    assert plan["attention"] in ("varlen_by_document", "flash_attention_2")
     assert sum(plan["breakdown"].values()) == plan["peak_device_bytes"]
     assert plan["usable_bytes"] == int(plan["gpu_memory_bytes"] * 0.9) and plan["gpu_memory_bytes"] == int(0.05 * 2**30)
     assert plan["fits"] == (plan["peak_device_bytes"] <= plan["usable_bytes"])

@@ -260,10 +260,12 @@ def test_varlen_by_document_puts_a_row_through_one_varlen_call(monkeypatch, caus
 
     def kernel(*args, **kwargs):
         calls.append(args[3].tolist())
+        starts.append(args[3])
         if not takes_groups:
             assert args[1].shape[1] == args[0].shape[1]  # heads repeated for a kernel without grouped heads
         return _reference_varlen(*args, **kwargs)
 
+    starts = []
     monkeypatch.setattr(attention, "_VARLEN_KERNEL", (kernel, causal, takes_groups))
     monkeypatch.setattr(attention, "_varlen_runs", lambda query, dropout: True)
     ours, reference = build_model(VARLEN_BY_DOCUMENT), build_model("sdpa")
@@ -280,6 +282,7 @@ def test_varlen_by_document_puts_a_row_through_one_varlen_call(monkeypatch, caus
     for (name, a), b in zip(ours.named_parameters(), reference.parameters()):
         assert_equal_up_to_rounding(a.grad, b.grad, name=name, terms=TINY_MODEL_TERMS)
     assert calls == [[0, 5, 8, 15]] * ours.config.num_hidden_layers  # one call per layer for the whole row
+    assert all(tensor is starts[0] for tensor in starts)  # copied to the device once, not once per layer
 
 
 def test_varlen_by_document_without_its_kernel_is_sdpa_by_document() -> None:
@@ -331,3 +334,24 @@ def test_a_module_that_names_no_attention_gets_sdpa_by_document_on_cpu_chosen_on
     assert [r.message for r in caplog.records if "attn_implementation" in r.message] == [
         "attn_implementation: 'sdpa_by_document', the fastest that keeps packed documents apart on cpu"
     ]
+
+
+def test_varlen_by_document_hands_on_its_kernels_output_of_one_row_uncopied(monkeypatch) -> None:
+    """A packed row's output is the kernel's own (saved by it for backward): no cat, no contiguous copy."""
+    import lit_memtrain.techniques.attention as attention
+
+    produced = []
+
+    def kernel(*args, **kwargs):
+        produced.append(_reference_varlen(*args, **kwargs).contiguous())  # [L, heads, head_dim], as varlen_attn's
+        return produced[-1]
+
+    monkeypatch.setattr(attention, "_VARLEN_KERNEL", (kernel, {"is_causal": True}, True))
+    monkeypatch.setattr(attention, "_varlen_runs", lambda query, dropout: True)
+    layer = torch.nn.Module()
+    layer.is_causal = True
+    query, key, value = (torch.randn(1, 15, heads, 8).transpose(1, 2) for heads in (4, 2, 2))  # as projections give
+    output, _ = attention.varlen_by_document(layer, query, key, value, None, cu_seq_lens_q=torch.tensor([0, 5, 15]))
+    assert output.shape == (1, 15, 4, 8)
+    assert output.data_ptr() == produced[0].data_ptr()
+    torch.testing.assert_close(output[0], produced[0])
