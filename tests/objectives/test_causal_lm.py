@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from memory_effects import TechniquesInEffect
 from transformers import AutoModelForCausalLM
 
 from lit_memtrain.datamodules.collate import PaddedCollator
@@ -206,6 +207,21 @@ def test_bf16_trainable_weights_warn_about_lost_updates():
 def test_gradient_accumulation_weights_every_token_equally(tmp_path):
     """Two micro-batches with 4 and 1 trainable tokens give the gradient of the 5-token mean loss."""
     update, gradient, _ = _accumulation_run(tmp_path)
+    for name, expected in gradient.items():
+        torch.testing.assert_close(update[name], expected, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_memory_callbacks_take_effect_and_keep_the_step_mean_gradient(tmp_path):
+    """Checkpointing, tiled MLPs and activation offloading act on every layer of an SFT fit, which updates the
+    weights by the plain 5-token mean gradient all the same."""
+    from lit_memtrain.callbacks import ActivationOffloading, GradientCheckpointing, TiledMLP
+
+    offloading = ActivationOffloading(min_offload_bytes=0, offload_cpu_tensors_for_testing=True)
+    in_effect = TechniquesInEffect()
+    update, gradient, _ = _accumulation_run(
+        tmp_path, callbacks=[GradientCheckpointing(), TiledMLP(num_tiles=2), offloading, in_effect]
+    )
+    in_effect.assert_in_effect(offloading=offloading)
     for name, expected in gradient.items():
         torch.testing.assert_close(update[name], expected, rtol=1e-4, atol=1e-6, msg=name)
 

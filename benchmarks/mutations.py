@@ -1,0 +1,175 @@
+"""Mutation check: each listed break of the package must make the tests named for it fail.
+
+Why: a test that passes on broken code proves nothing, and a green suite does not show it. Each mutation below is a
+small wrong change a real bug could make (a factor, a skipped branch, a wrong unit) with the tests that must catch
+it. The script copies the tree (``lit_memtrain``, ``tests``, ``pyproject.toml``) to a temporary directory once per
+mutation, replaces ``old`` by ``new`` there (never in the working tree), and runs only the named tests with this
+interpreter (the venv's python), with that copy first on ``PYTHONPATH``. A mutation is *caught* when pytest reports
+a failed test, and *survived* when the named tests pass. The script exits non-zero when any mutation survives, when a
+mutation's ``old`` text is not found exactly once in its file (the list would rot silently as the code moves), or
+when pytest ends otherwise (no test collected, an internal error).
+
+Why in benchmarks/ and not in the test suite: it runs a few fits per mutation (minutes in all), so it is a check run
+on demand, like the benchmarks, with its last result in docs/benchmarks.md; ``make mutations`` runs it.
+
+Usage::
+
+    python benchmarks/mutations.py                 # every mutation
+    python benchmarks/mutations.py -k tiled        # those whose name contains "tiled"
+    python benchmarks/mutations.py --list          # names and tests only
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+COPIED = ("lit_memtrain", "tests", "pyproject.toml")
+
+
+@dataclass(frozen=True)
+class Edit:
+    file: str  # relative to the repository root
+    old: str  # found exactly once in the file
+    new: str
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    edits: tuple[Edit, ...]
+    tests: tuple[str, ...]  # pytest node ids; the mutation is caught when one of them fails
+
+
+def _skip_modules(file: str, hook: str, names: str) -> Edit:
+    """A technique callback's hook returning at once, doing nothing, for modules of the named classes (or their
+    subclasses): the technique silently missing for one objective."""
+    signature = {
+        "on_fit_start": "    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:\n",
+        "on_train_batch_start": "    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, "
+        "batch_idx: int) -> None:\n",
+    }[hook]
+    skip = f"        if any(cls.__name__ in {names} for cls in type(pl_module).__mro__):\n            return\n"
+    return Edit(file, signature, signature + skip)
+
+
+CALLBACKS = "lit_memtrain/callbacks/"
+GRPO_MEMORY = (
+    "tests/objectives/test_grpo.py::test_memory_callbacks_train_as_without_them",
+    "tests/objectives/test_grpo.py::test_rloo_trains_with_its_kl_penalty_and_validation_logs_rewards",
+)
+OBJECTIVES = {  # the module classes a mutation skips, and the fits that must notice
+    "grpo-rloo": ("('GRPOModule', 'RLOOModule')", GRPO_MEMORY),
+    "dpo": ("('DPOModule',)", ("tests/e2e/test_dpo_fit.py::test_memory_callbacks_train_dpo_as_without_them",)),
+    "reward": (
+        "('RewardModule',)",
+        ("tests/e2e/test_reward_fit.py::test_memory_callbacks_train_a_reward_model_as_without_them",),
+    ),
+    "sft": (
+        "('CausalLMModule',)",
+        ("tests/objectives/test_causal_lm.py::test_memory_callbacks_take_effect_and_keep_the_step_mean_gradient",),
+    ),
+}
+TECHNIQUES = {
+    "checkpointing": (CALLBACKS + "gradient_checkpointing.py", "on_fit_start"),
+    "tiled-mlp": (CALLBACKS + "tiled_mlp.py", "on_fit_start"),
+    "offloading": (CALLBACKS + "activation_offloading.py", "on_train_batch_start"),
+}
+
+MUTATIONS: tuple[Mutation, ...] = (
+    Mutation(
+        "planner: models simulated whole (layers differ, unknown technique) at max_length // 2",
+        (Edit("lit_memtrain/planner/step.py", "    whole = _simulate(settings, model, max_length)\n",
+              "    whole = _simulate(settings, model, max_length // 2 if reduction else max_length)\n"),),
+        ("tests/planner/test_extrapolation.py::test_layers_the_planner_cannot_show_alike_are_simulated_whole_and_the"
+         "_notes_say_why",),
+    ),
+    *(
+        Mutation(
+            f"{technique} skipped for {objective}",
+            (_skip_modules(file, hook, names),),
+            tests,
+        )
+        for technique, (file, hook) in TECHNIQUES.items()
+        for objective, (names, tests) in OBJECTIVES.items()
+    ),
+)
+
+
+def _apply(mutation: Mutation, tree: Path) -> str | None:
+    """Apply the mutation's edits in ``tree``; the problem when an ``old`` text is not found exactly once."""
+    for edit in mutation.edits:
+        path = tree / edit.file
+        text = path.read_text()
+        count = text.count(edit.old)
+        if count != 1:
+            return f"old text found {count} times in {edit.file} (expected once): {edit.old[:80]!r}"
+        path.write_text(text.replace(edit.old, edit.new))
+    return None
+
+
+def _run(mutation: Mutation, tree: Path) -> tuple[str, str]:
+    """(verdict, detail): caught, survived, or error."""
+    problem = _apply(mutation, tree)
+    if problem is not None:
+        return "error", problem
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+           "PYTHONDONTWRITEBYTECODE": "1"}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tree),
+               *mutation.tests]
+    result = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
+    failed = re.findall(r"^FAILED (\S+)", result.stdout, flags=re.MULTILINE)
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr[-300:]
+    if result.returncode == 1 and failed:
+        return "caught", ", ".join(name.split("::")[-1] for name in failed)
+    if result.returncode == 0:
+        return "survived", summary
+    return "error", f"pytest exited {result.returncode}: {summary}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("-k", dest="keyword", default="", help="only the mutations whose name contains this text")
+    parser.add_argument("--list", action="store_true", help="print the mutations and their tests, run nothing")
+    args = parser.parse_args(argv)
+    selected = [m for m in MUTATIONS if args.keyword in m.name]
+    if not selected:
+        parser.error(f"no mutation's name contains {args.keyword!r}")
+    if args.list:
+        for mutation in selected:
+            print(f"{mutation.name}\n    " + "\n    ".join(mutation.tests))
+        return 0
+    rows = []
+    for mutation in selected:
+        with tempfile.TemporaryDirectory(prefix="lit-memtrain-mutation-") as directory:
+            tree = Path(directory)
+            for name in COPIED:
+                source = ROOT / name
+                if source.is_dir():
+                    shutil.copytree(source, tree / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+                else:
+                    shutil.copy2(source, tree / name)
+            start = time.perf_counter()
+            verdict, detail = _run(mutation, tree)
+        seconds = time.perf_counter() - start
+        rows.append((mutation.name, verdict, seconds, detail))
+        print(f"{verdict:8} {seconds:6.1f} s  {mutation.name}: {detail}", flush=True)
+    print("\n| mutation | result | seconds | failing tests (or why) |\n|---|---|---:|---|")
+    for name, verdict, seconds, detail in rows:
+        print(f"| {name} | {verdict} | {seconds:.0f} | {detail} |")
+    bad = [row for row in rows if row[1] != "caught"]
+    print(f"\n{len(rows) - len(bad)} of {len(rows)} mutations caught", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
