@@ -5,8 +5,8 @@ losses also check that each technique acted, by what it does rather than by how 
 
 - checkpointing recomputes every layer in backward: each decoder layer's attention runs as often inside backward
   (between Lightning's ``on_before_backward`` and ``on_after_backward``) as in the training forwards;
-- a tiled MLP runs its activation on tiles: no call of an MLP's activation in a training forward sees more than
-  ``batch x ceil(length / num_tiles)`` tokens of the MLP's input (experts see at most their tile's tokens);
+- a tiled MLP runs its activation on tiles: each MLP call of a training forward calls its activation once per
+  tile (a dense MLP, or experts computed together as transformers does on CPU; untiled, once per MLP call);
 - activation offloading counts what it moved: its offloader's step statistics have bytes for every layer.
 
 Place :class:`TechniquesInEffect` after the technique callbacks, so it sees the layers as they left them.
@@ -14,7 +14,6 @@ Place :class:`TechniquesInEffect` after the technique callbacks, so it sees the 
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -26,16 +25,16 @@ from lit_memtrain.models.layers import find_decoder_layers
 
 
 class TechniquesInEffect(Callback):
-    """Counts, over a fit, attention calls in training forwards and in backward, and the tokens each MLP
-    activation call saw against the tokens of its MLP call."""
+    """Counts, over a fit, attention calls in training forwards and in backward, and the tokens of each MLP
+    activation call within each MLP call of a training forward."""
 
     def __init__(self) -> None:
         self.attention_in_forward = 0
         self.attention_in_backward = 0
         self.backwards = 0
-        self.activation_calls: list[tuple[int, torch.Size]] = []  # (tokens through the activation, MLP input shape)
+        self.activation_calls: list[list[int]] = []  # per MLP call of a training forward: tokens per activation call
         self._in_backward = False
-        self._mlp_shape: torch.Size | None = None
+        self._in_training_mlp = False
         self._handles: list[Any] = []
 
     def on_fit_start(self, trainer, pl_module) -> None:
@@ -66,13 +65,13 @@ class TechniquesInEffect(Callback):
             self.attention_in_forward += 1
 
     def _mlp(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        training = torch.is_grad_enabled() and not self._in_backward
-        self._mlp_shape = args[0].shape if training else None
+        self._in_training_mlp = torch.is_grad_enabled() and not self._in_backward
+        if self._in_training_mlp:
+            self.activation_calls.append([])
 
     def _activation(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if self._mlp_shape is not None and not self._in_backward:
-            tokens = args[0].numel() // args[0].shape[-1]
-            self.activation_calls.append((tokens, self._mlp_shape))
+        if self._in_training_mlp and not self._in_backward:
+            self.activation_calls[-1].append(args[0].numel() // args[0].shape[-1])
 
     def assert_in_effect(
         self, checkpointing: bool = True, num_tiles: int | None = 2, offloading: ActivationOffloading | None = None
@@ -85,10 +84,9 @@ class TechniquesInEffect(Callback):
                 f"{self.attention_in_forward} in training forwards"
             )
         if num_tiles is not None:
-            assert self.activation_calls, "no MLP activation ran in a training forward"
-            for tokens, shape in self.activation_calls:
-                bound = math.prod(shape[:-2]) * math.ceil(shape[-2] / num_tiles)
-                assert tokens <= bound, f"tiled MLP: an activation call saw {tokens} tokens of an MLP input {shape}"
+            assert self.activation_calls, "no MLP ran in a training forward"
+            for tokens in self.activation_calls:
+                assert len(tokens) == num_tiles, f"tiled MLP: an MLP call ran its activation on {tokens} tokens"
         if offloading is not None:
             stats = offloading.offloader.stats
             assert all(stats.bytes_per_layer) and stats.tensors > 0, f"offloading moved {stats} in its last step"

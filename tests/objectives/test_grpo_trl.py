@@ -267,7 +267,8 @@ def test_one_generation_batch_equals_trl_generate_and_score(saved_model, tokeniz
     if "ref_per_token_logps" in expected:
         torch.testing.assert_close(rollout.ref_logps, expected["ref_per_token_logps"] * expected["completion_mask"],
                                    rtol=1e-5, atol=1e-5)
-    if "old_logps" in expected and rollout.old_logps is not None:  # RLOO's, summed per completion
+    if not grpo and options["beta"]:  # RLOO's KL penalty needs the sampling policy's: TRL's, summed per completion
+        assert rollout.old_logps is not None, "RLOO with beta != 0 made no log-probabilities at generation time"
         mask = rollout.completion_mask()
         torch.testing.assert_close((rollout.old_logps * mask).sum(1), expected["old_logps"], rtol=1e-5, atol=1e-5)
     assert metrics["reward"] == pytest.approx(trl._metrics["train"]["reward"][-1], rel=1e-5)
