@@ -12,7 +12,7 @@ GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 OUT ?= gpu-check
 GPU_CHECK_ARGS ?=
 
-.PHONY: install quickstart test bench gpu-check clean
+.PHONY: install quickstart test bench mutations gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install -e '.[test,bench]'
 	$(PY) benchmarks/packing.py
+
+# Each listed break of the package must fail the tests named for it (minutes; see docs/benchmarks.md).
+mutations: $(STAMP)
+	$(PY) benchmarks/mutations.py
 
 # Every GPU claim in under 8 minutes on one CUDA GPU; report in $(OUT)/report.md (see docs/benchmarks.md).
 # Installs this package without dependencies and without the network if it is not importable yet.

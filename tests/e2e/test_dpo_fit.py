@@ -12,6 +12,7 @@ import torch
 import wandb
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from memory_effects import TechniquesInEffect
 from transformers import AutoModelForCausalLM
 
 from lit_memtrain.callbacks import ActivationOffloading, GradientCheckpointing, TiledMLP
@@ -96,8 +97,9 @@ def test_memory_callbacks_train_dpo_as_without_them():
     losses, weights, datamodule = _fit([])
     assert len(losses) == 3 and losses[0] == pytest.approx(0.6931, abs=1e-4)
     assert datamodule.has_reference_logps("train")
-    callbacks = [GradientCheckpointing(), TiledMLP(num_tiles=2), ActivationOffloading(offload_cpu_tensors_for_testing=True)]
-    other_losses, other_weights, _ = _fit(callbacks)
+    offloading, in_effect = ActivationOffloading(offload_cpu_tensors_for_testing=True), TechniquesInEffect()
+    other_losses, other_weights, _ = _fit([GradientCheckpointing(), TiledMLP(num_tiles=2), offloading, in_effect])
+    in_effect.assert_in_effect(offloading=offloading)
     assert other_losses == pytest.approx(losses, rel=1e-5)
     for name, weight in weights.items():  # AdamW turns float noise in near-zero gradients into steps of lr
         torch.testing.assert_close(other_weights[name], weight, rtol=1e-3, atol=1e-3 * float(weight.abs().max()))

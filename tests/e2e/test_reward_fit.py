@@ -17,6 +17,7 @@ import wandb
 from equivalence import TINY_MODEL_TERMS, assert_equal_up_to_rounding
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from memory_effects import TechniquesInEffect
 from transformers import AutoModelForSequenceClassification
 
 from lit_memtrain.callbacks import ActivationOffloading, GradientCheckpointing, TiledMLP
@@ -122,9 +123,9 @@ def _fit(callbacks: list[Callback], max_steps: int = 3, **trainer_options) -> tu
 def test_memory_callbacks_train_a_reward_model_as_without_them():
     losses, module = _fit([])
     weights = {n: p.detach().clone() for n, p in module.model.named_parameters()}
-    offloading = ActivationOffloading(offload_cpu_tensors_for_testing=True)
-    callbacks = [GradientCheckpointing(), TiledMLP(num_tiles=2), offloading]
-    other_losses, other = _fit(callbacks)
+    offloading, in_effect = ActivationOffloading(offload_cpu_tensors_for_testing=True), TechniquesInEffect()
+    other_losses, other = _fit([GradientCheckpointing(), TiledMLP(num_tiles=2), offloading, in_effect])
+    in_effect.assert_in_effect(offloading=offloading)
     assert len(losses) == 3 and other_losses == pytest.approx(losses, rel=1e-5)
     for name, parameter in other.model.named_parameters():  # AdamW turns float noise in tiny gradients into lr steps
         weight = weights[name]

@@ -35,7 +35,21 @@ def test_generate_works_with_a_tokenizer_that_returns_token_type_ids(wordpiece_m
     main(["generate", "--model", model, "--prompt", "hello world", "--prompt", "how are you", "--max_new_tokens", "6"])
     out = capsys.readouterr().out
     assert out.count("answer:") == 2 and "prompt: how are you" in out
-    assert generate_answer(model, "hello", 6) == generate_answer(model, "hello", 6)  # greedy: deterministic
+    assert generate_answer(model, "hello", 6) == _argmax_answer(model, "hello", 6)
+
+
+def _argmax_answer(model_dir: str, prompt: str, max_new_tokens: int) -> str:
+    """Greedy decoding by hand: the most likely next token, until eos or ``max_new_tokens``."""
+    tokenizer = BertTokenizerFast.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    prompt_length = ids.shape[1]
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            ids = torch.cat([ids, model(ids).logits[:, -1:].argmax(-1)], dim=1)
+            if ids[0, -1] == tokenizer.sep_token_id:  # the model's eos_token_id (3)
+                break
+    return tokenizer.decode(ids[0, prompt_length:], skip_special_tokens=True)
 
 
 def test_sampling_options_sample_and_a_seed_makes_them_reproducible(wordpiece_model_dir, capsys):
@@ -43,6 +57,10 @@ def test_sampling_options_sample_and_a_seed_makes_them_reproducible(wordpiece_mo
     sampled = {generate_answer(model, "hello", 8, temperature=2.0, top_p=0.95, seed=seed) for seed in range(5)}
     assert len(sampled) > 1
     assert generate_answer(model, "hello", 8, temperature=2.0, seed=3) == generate_answer(model, "hello", 8, temperature=2.0, seed=3)
+    # A nucleus this small holds the most likely token alone: sampling at any temperature decodes greedily.
+    assert {generate_answer(model, "hello", 8, temperature=2.0, top_p=1e-6, seed=seed) for seed in range(3)} == {
+        _argmax_answer(model, "hello", 8)
+    }
     main(["generate", "--model", model, "--prompt", "hello", "--temperature", "0.7", "--top_p", "0.9", "--seed", "1"])
     assert "answer:" in capsys.readouterr().out
     with pytest.raises(SystemExit):

@@ -200,3 +200,16 @@ def test_qlora_export_reloads_the_base_with_the_runs_init_kwargs_dtype_and_trust
     trained.model.eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, trained.model(ids).logits, rtol=0.05, atol=0.05)
+    # The logits of a bf16 export are close, not equal: the merged update itself is checked too. What each adapted
+    # weight gained over the bf16 base is its adapter's scaling * B @ A (bf16 rounding aside: the fitted scale is 1).
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16).state_dict()
+    merged = reloaded.state_dict()
+    gained, updates = [], []
+    for name, module in trained.model.named_modules():
+        if "default" in getattr(module, "lora_A", {}):
+            weight = name.removeprefix("base_model.model.") + ".weight"
+            gained.append(merged[weight] - base[weight].float())
+            updates.append(module.get_delta_weight("default").detach())
+    assert len(updates) == 2 * 7  # q, k, v, o, gate, up and down of the two layers
+    fitted_scale = sum((g * u).sum() for g, u in zip(gained, updates)) / sum((u * u).sum() for u in updates)
+    assert float(fitted_scale) == pytest.approx(1.0, abs=0.01)

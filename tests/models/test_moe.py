@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from equivalence import TINY_MODEL_TERMS, assert_each_equal_up_to_rounding, assert_equal_up_to_rounding
+from memory_effects import TechniquesInEffect
 from torch import nn
 
 from lit_memtrain.callbacks.tiled_mlp import TiledMLP
@@ -138,12 +139,14 @@ def test_a_fit_with_tiled_mlp_on_a_mixture_of_experts_model(tmp_path):
     from torch.utils.data import DataLoader
 
     module = CausalLMModule(config={**TINY, **MOE["qwen3_moe"]})
+    in_effect = TechniquesInEffect()
     trainer = Trainer(
-        max_steps=2, callbacks=[TiledMLP(num_tiles=3)], logger=False, enable_progress_bar=False,
+        max_steps=2, callbacks=[TiledMLP(num_tiles=3), in_effect], logger=False, enable_progress_bar=False,
         enable_checkpointing=False, default_root_dir=tmp_path,
     )
     trainer.fit(module, DataLoader([_batch(length=20)] * 2, batch_size=None))
     assert trainer.global_step == 2 and module.last_train_loss is not None
+    in_effect.assert_in_effect(checkpointing=False, num_tiles=3)  # the experts ran on tiles of at most 7 tokens
 
 
 def test_an_experts_layout_it_cannot_tile_is_refused_naming_the_layer():

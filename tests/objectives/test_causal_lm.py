@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 from equivalence import TINY_MODEL_TERMS, assert_each_equal_up_to_rounding, assert_equal_up_to_rounding
+from memory_effects import TechniquesInEffect
 from transformers import AutoModelForCausalLM
 
 from lit_memtrain.datamodules.collate import PaddedCollator
@@ -209,6 +210,21 @@ def test_gradient_accumulation_weights_every_token_equally(tmp_path):
     update, gradient, _ = _accumulation_run(tmp_path)
     # the update w - (w - g) rounds at the weights' magnitude: tiny-qwen3's are at most about 1 (its norms')
     assert_each_equal_up_to_rounding(update, gradient, terms=TINY_MODEL_TERMS, scale=1.0)
+
+
+def test_memory_callbacks_take_effect_and_keep_the_step_mean_gradient(tmp_path):
+    """Checkpointing, tiled MLPs and activation offloading act on every layer of an SFT fit, which updates the
+    weights by the plain 5-token mean gradient all the same."""
+    from lit_memtrain.callbacks import ActivationOffloading, GradientCheckpointing, TiledMLP
+
+    offloading = ActivationOffloading(min_offload_bytes=0, offload_cpu_tensors_for_testing=True)
+    in_effect = TechniquesInEffect()
+    update, gradient, _ = _accumulation_run(
+        tmp_path, callbacks=[GradientCheckpointing(), TiledMLP(num_tiles=2), offloading, in_effect]
+    )
+    in_effect.assert_in_effect(offloading=offloading)
+    for name, expected in gradient.items():
+        torch.testing.assert_close(update[name], expected, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_ddp_ranks_with_different_token_counts_train_on_the_global_mean(tmp_path):

@@ -9,6 +9,7 @@ import pytest
 import torch
 from equivalence import TINY_MODEL_TERMS, assert_each_equal_up_to_rounding, assert_equal_up_to_rounding
 from lightning.pytorch import Callback, Trainer
+from memory_effects import TechniquesInEffect
 
 from lit_memtrain.callbacks import ActivationOffloading, GradientCheckpointing, TiledMLP
 from lit_memtrain.datamodules.prompts import PromptDataModule
@@ -188,12 +189,13 @@ def test_optimizer_steps_iterations_and_slices_follow_trl(saved_model, options, 
 
 def test_memory_callbacks_train_as_without_them(saved_model):
     runs = []
-    for callbacks in ([], [GradientCheckpointing(), TiledMLP(num_tiles=2),
-                           ActivationOffloading(offload_cpu_tensors_for_testing=True)]):
+    offloading, in_effect = ActivationOffloading(offload_cpu_tensors_for_testing=True), TechniquesInEffect()
+    for callbacks in ([], [GradientCheckpointing(), TiledMLP(num_tiles=2), offloading, in_effect]):
         torch.manual_seed(0)
         module = _module(saved_model, beta=0.1)
         record = _fit(module, max_steps=2, callbacks=callbacks)
         runs.append((record.metrics, {n: p.detach().clone() for n, p in module.model.named_parameters()}))
+    in_effect.assert_in_effect(offloading=offloading)
     (metrics, weights), (other_metrics, other_weights) = runs
     for step, other in zip(metrics, other_metrics):  # the same completions, rewards and losses
         for name in ("train/reward", "train/completions/mean_length", "train/loss", "train/kl", "train/entropy"):
@@ -215,10 +217,14 @@ def test_rloo_trains_with_its_kl_penalty_and_validation_logs_rewards(saved_model
 
     module.slice_loss = recording
     record = Record()
+    offloading, in_effect = ActivationOffloading(offload_cpu_tensors_for_testing=True), TechniquesInEffect()
+    techniques = [GradientCheckpointing(), TiledMLP(num_tiles=2), offloading, in_effect]  # in effect for RLOO too
     trainer = Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, callbacks=[record], val_check_interval=2,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[*techniques, record],
+                      val_check_interval=2,
                       check_val_every_n_epoch=None, limit_val_batches=1)
     trainer.fit(module, datamodule=PromptDataModule(dataset=_prompts(), batch_size=2, val_size=2, seed=0))
+    in_effect.assert_in_effect(offloading=offloading)
     kl = record.metrics[0]["train/kl"]  # exp(d) - d - 1 sums terms of about 1
     assert_equal_up_to_rounding(kl, 0.0, name="train/kl", terms=TINY_MODEL_TERMS, scale=1.0)
     assert all(torch.isfinite(torch.tensor(m["train/loss"])) for m in record.metrics)

@@ -267,7 +267,8 @@ def test_one_generation_batch_equals_trl_generate_and_score(saved_model, tokeniz
     if "ref_per_token_logps" in expected:
         theirs = expected["ref_per_token_logps"] * expected["completion_mask"]
         assert_equal_up_to_rounding(rollout.ref_logps, theirs, name="reference log-probs", terms=TINY_MODEL_TERMS)
-    if "old_logps" in expected and rollout.old_logps is not None:  # RLOO's, summed per completion
+    if not grpo and options["beta"]:  # RLOO's KL penalty needs the sampling policy's: TRL's, summed per completion
+        assert rollout.old_logps is not None, "RLOO with beta != 0 made no log-probabilities at generation time"
         mask = rollout.completion_mask()
         old_logps = (rollout.old_logps * mask).sum(1)
         assert_equal_up_to_rounding(old_logps, expected["old_logps"], name="old log-probs", terms=TINY_MODEL_TERMS)
