@@ -65,15 +65,18 @@ class Part:
 # Limits: each setting of a part runs in a process of its own (results.run_isolated); the next one is started while
 # a setting runs, so a part pays the imports (10-20 s of torch, transformers, Lightning) about once, not per setting.
 PARTS: tuple[Part, ...] = (
-    Part("gpu tests", "gpu_tests.py", limit_s=100),
-    Part("offload", "offload.py", limit_s=100, args=("--layers", "4", "--steps", "2")),
-    Part("packed attention", "packed_attention.py", limit_s=90),
-    Part("planner", "planner_vs_measured.py", limit_s=120),
+    Part("gpu tests", "gpu_tests.py", limit_s=70),
+    Part("offload", "offload.py", limit_s=60, args=("--layers", "4", "--steps", "2")),
+    Part("fsdp2", "fsdp2.py", limit_s=60, optional=True),
+    Part("context parallel", "context_parallel.py", limit_s=50, optional=True),
+    Part("planner", "planner_vs_measured.py", limit_s=110,
+         args=("--seq-lens", "16384", "32768", "65536", "131072", "--tolerance", "0.05")),
     Part("step profile", "step_profile.py", limit_s=90),
-    Part("max length", "max_length.py", limit_s=130),
-    Part("fsdp2", "fsdp2.py", limit_s=90, optional=True),
-    Part("context parallel", "context_parallel.py", limit_s=80, optional=True),
-    Part("grpo vllm", "grpo_vllm.py", limit_s=120),
+    Part("max length", "max_length.py", limit_s=110),
+    Part("offload 36 layers", "offload.py", limit_s=90,
+         args=("--layers", "36", "--steps", "2", "--seq-len", "16384", "--plain-seq-len", "2048")),
+    Part("packed attention", "packed_attention.py", limit_s=60),
+    Part("grpo vllm", "grpo_vllm.py", limit_s=60),
 )
 
 # A part is not started with less than this many seconds of the budget left (or its own limit, if shorter).
@@ -145,8 +148,9 @@ def _tail(path: Path, chars: int = 4000) -> str:
 def run_part(part: Part, out_dir: Path, limit_s: float, dry_run: bool) -> dict[str, Any]:
     """Run one part with a time limit; return its record for report.json."""
     script = HERE / part.script
-    json_path = out_dir / "parts" / f"{script.stem}.json"
-    log_path = out_dir / "logs" / f"{script.stem}.log"
+    file_name = part.name.replace(" ", "_")  # one part's files; a script may run as several parts
+    json_path = out_dir / "parts" / f"{file_name}.json"
+    log_path = out_dir / "logs" / f"{file_name}.log"
     command = [sys.executable, str(script), *part.args, "--json", str(json_path)] + (["--dry-run"] if dry_run else [])
     shown = script.relative_to(ROOT) if script.is_relative_to(ROOT) else script
     record: dict[str, Any] = {
