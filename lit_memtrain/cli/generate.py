@@ -1,4 +1,4 @@
-"""``lit-memtrain generate``: answer prompts with an exported Hugging Face directory."""
+"""``lit-memtrain generate``: answer prompts with an exported Hugging Face directory or a GGUF file."""
 
 from __future__ import annotations
 
@@ -11,7 +11,11 @@ def generate(argv: list[str]) -> None:
     from lit_memtrain.models.generate import generate_answer, load_tokenizer_for
 
     parser = argparse.ArgumentParser(prog="lit-memtrain generate", description="Answer prompts with an exported model.")
-    parser.add_argument("--model", required=True, help="exported Hugging Face directory")
+    parser.add_argument(
+        "--model", required=True,
+        help="exported Hugging Face directory or hub id, a .gguf file, or a packaged GGUF (smollm2-135m-instruct)",
+    )
+    parser.add_argument("--gguf_file", default=None, help="the GGUF file in --model's directory or hub repository")
     parser.add_argument("--prompt", required=True, action="append", help="user message (repeatable)")
     parser.add_argument("--max_new_tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: sample at this temperature")
@@ -21,9 +25,11 @@ def generate(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise ValueError(f"--temperature must be >= 0 and --top_p in (0, 1], got {args.temperature} and {args.top_p}")
-    load_tokenizer_for(args.model, args.tokenizer)  # refuses, before any weight is read, a model it cannot prompt
+    load_tokenizer_for(args.model, args.tokenizer, args.gguf_file)  # refuses, before any weight is read, a model it
+    # cannot prompt
     for prompt in args.prompt:
         answer = generate_answer(
-            args.model, prompt, args.max_new_tokens, args.temperature, args.top_p, args.tokenizer, args.seed
+            args.model, prompt, args.max_new_tokens, args.temperature, args.top_p, args.tokenizer, args.seed,
+            args.gguf_file,
         )
         print(f"prompt: {prompt}\nanswer: {answer}")

@@ -1,4 +1,4 @@
-"""Answers from an exported Hugging Face directory, for a quick look at a trained model.
+"""Answers from an exported Hugging Face directory or a GGUF file, for a quick look at a trained model.
 
 Greedy by default; ``temperature > 0`` samples (with ``top_p`` nucleus filtering). Works with whatever
 tokenizer the directory ships: inputs the model's ``forward`` does not name (``token_type_ids`` from a
@@ -12,17 +12,36 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["generate_answer", "load_tokenizer_for", "model_inputs"]
+from lit_memtrain.datamodules.gguf_files import find_gguf
+from lit_memtrain.datamodules.tokenizer import load_tokenizer
+from lit_memtrain.models.builder import ModelRecipe, build_causal_lm
+
+__all__ = ["generate_answer", "load_model_for", "load_tokenizer_for", "model_inputs"]
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
 
-def load_tokenizer_for(model_dir: str, tokenizer: str | None = None) -> PreTrainedTokenizerBase:
-    """The tokenizer saved in ``model_dir`` (or ``tokenizer``, a directory or hub id), with a clear error when
-    there is none (``AutoTokenizer`` would otherwise build an empty one from the model's config)."""
+def load_model_for(model: str, gguf_file: str | None = None) -> PreTrainedModel:
+    """The causal LM in ``model`` (a directory or hub id, with ``gguf_file`` the GGUF file in it; a ``.gguf`` path; a
+    packaged GGUF model's short name), in eval mode and the dtype it was saved in."""
+    init_kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    recipe = ModelRecipe(model=model, dtype="auto", attn_implementation=None, model_init_kwargs=init_kwargs)
+    return build_causal_lm(recipe).eval()
+
+
+def load_tokenizer_for(
+    model_dir: str, tokenizer: str | None = None, gguf_file: str | None = None
+) -> PreTrainedTokenizerBase:
+    """The tokenizer saved in ``model_dir`` or in its GGUF file (``gguf_file``, or ``model_dir`` a ``.gguf`` path or a
+    packaged model's name), or ``tokenizer`` (a directory, hub id or GGUF file), with a clear error when there is
+    none (``AutoTokenizer`` would otherwise build an empty one from the model's config)."""
+    if tokenizer is None and find_gguf(model_dir, gguf_file) is not None:
+        return load_tokenizer(model_dir, gguf_file)
+    if tokenizer is not None and find_gguf(tokenizer) is not None:
+        return load_tokenizer(tokenizer)
     source = tokenizer or model_dir
     hint = (
         "Export the model with its tokenizer (CausalLMModule(tokenizer=...) or tokenizer.save_pretrained(dir)), "
@@ -57,6 +76,7 @@ def generate_answer(
     top_p: float = 1.0,
     tokenizer: str | None = None,
     seed: int | None = None,
+    gguf_file: str | None = None,
 ) -> str:
     """Answer ``prompt`` with the model in ``model_dir`` (chat template when the tokenizer has one).
 
@@ -65,12 +85,12 @@ def generate_answer(
         top_p: nucleus sampling: sample among the most likely tokens whose probabilities sum to ``top_p``.
         tokenizer: a tokenizer directory or hub id, when ``model_dir`` has none.
         seed: seeds the sampling, for reproducible answers.
+        gguf_file: the GGUF file in ``model_dir`` to read model and tokenizer from (:func:`load_model_for`).
     """
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature} and {top_p}.")
-    loaded = load_tokenizer_for(model_dir, tokenizer)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    model.eval()
+    loaded = load_tokenizer_for(model_dir, tokenizer, gguf_file)
+    model = load_model_for(model_dir, gguf_file)
     if loaded.chat_template:
         text = loaded.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
     else:
