@@ -18,7 +18,7 @@ from lit_memtrain.datamodules.gguf_files import find_gguf
 from lit_memtrain.datamodules.tokenizer import load_tokenizer
 from lit_memtrain.models.builder import ModelRecipe, build_causal_lm
 
-__all__ = ["generate_answer", "load_model_for", "load_tokenizer_for", "model_inputs"]
+__all__ = ["generate_answer", "greedy_completions", "load_model_for", "load_tokenizer_for", "model_inputs"]
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
@@ -109,3 +109,44 @@ def generate_answer(
             **sampling,
         )
     return loaded.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+@torch.no_grad()
+def greedy_completions(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str | list[dict[str, Any]]],
+    max_new_tokens: int,
+    batch_size: int = 32,
+) -> list[str]:
+    """The greedy completion of each prompt (a conversation, rendered with the chat template and its generation
+    prompt, or a plain string), decoded without special tokens, generated ``batch_size`` prompts at a time.
+
+    Prompts are padded on the left, so that every row's completion starts where its prompt ends; the attention mask
+    keeps the padding out, and the answers equal those of each prompt generated alone. The model is left in the mode
+    it was in.
+    """
+    texts = [
+        prompt if isinstance(prompt, str)
+        else tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        for prompt in prompts
+    ]  # fmt: skip
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    was_training = model.training
+    model.eval()
+    completions = []
+    try:
+        for start in range(0, len(texts), batch_size):
+            encoded = tokenizer(texts[start : start + batch_size], return_tensors="pt", padding=True,
+                                add_special_tokens=False).to(model.device)  # fmt: skip
+            output = model.generate(
+                **model_inputs(model, dict(encoded)), max_new_tokens=max_new_tokens, do_sample=False,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=pad_token_id,
+            )  # fmt: skip
+            new_tokens = output[:, encoded["input_ids"].shape[1] :]
+            completions += tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
+    finally:
+        tokenizer.padding_side = padding_side
+        model.train(was_training)
+    return completions
