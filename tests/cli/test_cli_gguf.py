@@ -64,3 +64,18 @@ def test_a_missing_gguf_file_ends_in_one_line(command, tmp_path, monkeypatch, ca
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "Traceback" not in err
     assert err.strip().splitlines()[-1] == f"lit-memtrain {command}: error: GGUF file '{missing}' does not exist."
+
+
+def test_the_smollm2_config_reads_a_gguf_model_and_its_tokenizer(tiny_gguf):
+    from lit_memtrain.callbacks import ExactAnswerAccuracy
+    from lit_memtrain.cli import MemTrainCLI
+    from lit_memtrain.datamodules.sft import SFTDataModule
+    from lit_memtrain.objectives.causal_lm import CausalLMModule
+
+    config = str(ROOT / "configs" / "smollm2_sft.yaml")
+    args = ["--config", config, f"--model.model={tiny_gguf}", "--trainer.logger=false"]
+    cli = MemTrainCLI(CausalLMModule, SFTDataModule, args=args, run=False)
+    assert cli.datamodule.tokenizer_name == cli.model.hparams.tokenizer == str(tiny_gguf)
+    assert cli.datamodule.dataset == "lit-memtrain/addition" and cli.datamodule.assistant_only_loss
+    (accuracy,) = [c for c in cli.trainer.callbacks if isinstance(c, ExactAnswerAccuracy)]
+    assert accuracy.num_prompts == 200 and accuracy.dataset == "lit-memtrain/addition-heldout"
