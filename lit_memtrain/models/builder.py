@@ -241,11 +241,10 @@ def causal_lm_config(
 ) -> PretrainedConfig:
     """The config of the model ``build_causal_lm`` builds, without building it or reading any weights.
 
-    For ``recipe.model`` this reads ``config.json`` (or a GGUF file's metadata: :func:`pretrained_source`; a local
-    directory, or the hub or, with
-    ``local_files_only``, only its cache) with ``model_init_kwargs`` applied as ``from_pretrained`` applies
-    them; for a preset or config dict it is the config ``build_causal_lm`` uses, special token ids taken from
-    ``tokenizer`` unless overridden.
+    For ``recipe.model`` this reads ``config.json`` (a local directory, or the hub or, with ``local_files_only``,
+    only its cache; a GGUF file's metadata for a GGUF model, :func:`pretrained_source`) with ``model_init_kwargs``
+    applied as ``from_pretrained`` applies them; for a preset or config dict it is the config ``build_causal_lm``
+    uses, special token ids taken from ``tokenizer`` unless overridden.
 
     The vocabulary is part of a preset's shape: Qwen3-4B's LM head has 151,936 rows whatever tokenizer the run
     reads, and its logits are the largest activation of a long row, so a preset keeps its vocabulary (a plan or
