@@ -19,7 +19,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def generate(argv: list[str]) -> None:
-    from lit_memtrain.models.generate import generate_answer, load_tokenizer_for
+    from lit_memtrain.models.generate import generate_answer, load_model_for, load_tokenizer_for
 
     parser = argparse.ArgumentParser(prog="lit-memtrain generate", description="Answer prompts with an exported model.")
     add_model_arguments(parser)
@@ -31,11 +31,9 @@ def generate(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise ValueError(f"--temperature must be >= 0 and --top_p in (0, 1], got {args.temperature} and {args.top_p}")
-    load_tokenizer_for(args.model, args.tokenizer, args.gguf_file)  # refuses, before any weight is read, a model it
-    # cannot prompt
+    # the tokenizer first: refuses, before any weight is read, a model it cannot prompt
+    tokenizer = load_tokenizer_for(args.model, args.tokenizer, args.gguf_file)
+    model = load_model_for(args.model, args.gguf_file)  # read once for all prompts
     for prompt in args.prompt:
-        answer = generate_answer(
-            args.model, prompt, args.max_new_tokens, args.temperature, args.top_p, args.tokenizer, args.seed,
-            args.gguf_file,
-        )
+        answer = generate_answer(model, prompt, args.max_new_tokens, args.temperature, args.top_p, tokenizer, args.seed)
         print(f"prompt: {prompt}\nanswer: {answer}")

@@ -69,16 +69,19 @@ def model_inputs(model: PreTrainedModel, encoded: dict[str, Any]) -> dict[str, A
 
 
 def generate_answer(
-    model_dir: str,
+    model_dir: str | PreTrainedModel,
     prompt: str,
     max_new_tokens: int = 32,
     temperature: float = 0.0,
     top_p: float = 1.0,
-    tokenizer: str | None = None,
+    tokenizer: str | PreTrainedTokenizerBase | None = None,
     seed: int | None = None,
     gguf_file: str | None = None,
 ) -> str:
     """Answer ``prompt`` with the model in ``model_dir`` (chat template when the tokenizer has one).
+
+    ``model_dir`` and ``tokenizer`` may be a model and tokenizer loaded already (:func:`load_model_for`,
+    :func:`load_tokenizer_for`), to answer several prompts without reading the weights again.
 
     Args:
         temperature: 0 decodes greedily; above 0, samples at this temperature.
@@ -89,8 +92,11 @@ def generate_answer(
     """
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature} and {top_p}.")
-    loaded = load_tokenizer_for(model_dir, tokenizer, gguf_file)
-    model = load_model_for(model_dir, gguf_file)
+    if isinstance(tokenizer, PreTrainedTokenizerBase):
+        loaded = tokenizer
+    else:
+        loaded = load_tokenizer_for(model_dir, tokenizer, gguf_file)
+    model = model_dir if isinstance(model_dir, PreTrainedModel) else load_model_for(model_dir, gguf_file)
     if loaded.chat_template:
         text = loaded.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
     else:
