@@ -29,6 +29,23 @@ def test_fit_trains_a_gguf_model_with_its_own_tokenizer_and_exports_it(tiny_gguf
     assert AutoTokenizer.from_pretrained(tmp_path / "export").eos_token == "<|im_end|>"
 
 
+def test_export_writes_a_checkpoint_of_a_gguf_model_as_a_hugging_face_directory(tiny_gguf, tmp_path, monkeypatch,
+                                                                                  capsys):  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    main([
+        "fit", "--config", QUICKSTART, "--trainer.logger=false", "--trainer.max_steps=1", "--trainer.limit_val_batches=0",
+        "--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=true",
+        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint", f"--trainer.callbacks.dirpath={tmp_path}",
+        "--trainer.callbacks.filename=last", "--trainer.callbacks.every_n_train_steps=1",
+        f"--model.model={tiny_gguf}", "--model.export_dir=null", "--data.batch_size=2",
+    ])  # fmt: skip
+    main(["export", "--checkpoint", str(tmp_path / "last.ckpt"), "--output", str(tmp_path / "export")])
+    assert "(CausalLMModule)" in capsys.readouterr().out
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    assert getattr(exported.config, "quantization_config", None) is None
+    assert AutoTokenizer.from_pretrained(tmp_path / "export").chat_template
+
+
 def test_generate_answers_with_a_gguf_file(tiny_gguf, capsys):
     main(["generate", "--model", str(tiny_gguf), "--prompt", "What is 1 + 2?", "--max_new_tokens=3"])
     main(["generate", "--model", str(tiny_gguf.parent), "--gguf_file", tiny_gguf.name, "--prompt", "Hi",
