@@ -33,8 +33,8 @@ def test_export_writes_a_checkpoint_of_a_gguf_model_as_a_hugging_face_directory(
                                                                                   capsys):  # fmt: skip
     monkeypatch.chdir(tmp_path)
     main([
-        "fit", "--config", QUICKSTART, "--trainer.logger=false", "--trainer.max_steps=1", "--trainer.limit_val_batches=0",
-        "--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=true",
+        "fit", "--config", QUICKSTART, "--trainer.logger=false", "--trainer.max_steps=1",
+        "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=true",
         "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint", f"--trainer.callbacks.dirpath={tmp_path}",
         "--trainer.callbacks.filename=last", "--trainer.callbacks.every_n_train_steps=1",
         f"--model.model={tiny_gguf}", "--model.export_dir=null", "--data.batch_size=2",
