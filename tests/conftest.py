@@ -70,3 +70,11 @@ def preloaded_python(pytestconfig: pytest.Config) -> PreloadedPython:
     """Runs ``python -c``/``-m`` scripts as fresh processes (the planner's stand-in device must be registered
     before a process's first backward) without paying the imports again for each: see ``preloaded_python``."""
     return pytestconfig.stash[_PYTHON]
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory) -> Path:
+    """A GGUF file of ``gguf_writer.tiny_llama()`` (seed 0) and the embedded tokenizer, alone in its directory."""
+    from gguf_writer import write_tiny_gguf
+
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")

@@ -2,7 +2,7 @@
 
 ``fit`` and ``validate`` take ``--config configs/*.yaml`` and ``--model.*``, ``--data.*``, ``--trainer.*``
 arguments (also in the ``--key=value`` form a W&B sweep agent passes); see :mod:`lit_memtrain.cli.fit`. The other
-subcommands live in a file each: ``generate``, ``export``, ``lengths``, ``plan``. Every subcommand ends a
+subcommands live in a file each: ``generate``, ``evaluate``, ``export``, ``lengths``, ``plan``. Every subcommand ends a
 configuration mistake with one line and exit status 2 (:mod:`lit_memtrain.cli.errors`).
 """
 
@@ -21,7 +21,9 @@ from lit_memtrain.techniques.allocator import enable_expandable_segments
 __all__ = ["MemTrainCLI", "main", "names_model_class"]
 
 # Our own subcommands: the module under lit_memtrain.cli and its function, imported when the subcommand runs.
-SUBCOMMANDS = {"generate": "generate", "export": "export", "lengths": "lengths", "plan": "plan"}
+SUBCOMMANDS = {
+    "generate": "generate", "evaluate": "evaluate", "export": "export", "lengths": "lengths", "plan": "plan"
+}  # fmt: skip
 
 # LightningCLI's subcommands the modules do not implement, with what to run instead.
 NOT_IMPLEMENTED = {
@@ -34,6 +36,7 @@ NOT_IMPLEMENTED = {
 _OWN_SUBCOMMANDS_HELP = f"""
 lit-memtrain subcommands of its own:
   generate   answer a prompt with an exported model (lit-memtrain generate --help)
+  evaluate   exact-answer accuracy on held-out prompts, by greedy generation (lit-memtrain evaluate --help)
   lengths    token-length profile and a recommended max_length (lit-memtrain lengths --help)
   export     merge a checkpoint's LoRA adapter and write a Hugging Face directory (lit-memtrain export --help)
   plan       simulate a fit configuration's peak GPU memory, and the longest sequence that fits (lit-memtrain plan --help)

@@ -30,6 +30,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.optim import Optimizer
 
 from lit_memtrain.cli.errors import RunStarted, one_line_errors
+from lit_memtrain.cli.gguf_tokenizer import use_gguf_tokenizer
 from lit_memtrain.cli.library_noise import quiet_loggers
 from lit_memtrain.cli.model_choice import replace_earlier_choices
 from lit_memtrain.cli.parse_errors import explain_parse_error, parser_keys
@@ -65,7 +66,8 @@ class MemTrainCLI(LightningCLI):
     decay. Without them: AdamW and warmup-cosine.
 
     Beyond LightningCLI: ``fit`` and ``validate`` are its only subcommands; the model named last among the config
-    files and ``--model.*`` arguments wins (:func:`~lit_memtrain.cli.model_choice.replace_earlier_choices`); the
+    files and ``--model.*`` arguments wins (:func:`~lit_memtrain.cli.model_choice.replace_earlier_choices`); a GGUF
+    model brings its own tokenizer (:func:`~lit_memtrain.cli.gguf_tokenizer.use_gguf_tokenizer`); the
     training bar counts optimizer steps (:class:`~lit_memtrain.cli.progress.StepProgressBar`) unless the trainer
     has a progress bar or none; with ``parser_kwargs={"exit_on_error": False}`` a parse error raises an
     ``ArgumentError`` of one line, with a "did you mean" for a mistyped key.
@@ -122,6 +124,12 @@ class MemTrainCLI(LightningCLI):
             replaced = replace_earlier_choices(model, self.given_args)
             if replaced:
                 rank_zero_info(replaced)
+        data = section.get("data")
+        if self.subclass_mode_data and data is not None:
+            data = data.get("init_args")
+        gguf_tokenizer = use_gguf_tokenizer(model, data)
+        if gguf_tokenizer:
+            rank_zero_info(gguf_tokenizer)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = self._get(self.config_init, "trainer", default={})

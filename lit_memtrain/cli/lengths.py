@@ -8,6 +8,7 @@ from typing import Any
 from lightning.pytorch import LightningDataModule
 
 from lit_memtrain.cli.fit import names_model_class
+from lit_memtrain.cli.gguf_tokenizer import use_gguf_tokenizer
 from lit_memtrain.cli.help_text import PlainHelpFormatter
 from lit_memtrain.cli.parse_errors import explain_parse_error, parser_keys
 from lit_memtrain.datamodules.sft import SFTDataModule
@@ -36,7 +37,9 @@ def lengths(argv: list[str]) -> None:
         parser.add_subclass_arguments(LightningDataModule, "data")
     else:
         parser.add_class_arguments(SFTDataModule, "data")
-    parser.add_argument("--model", type=dict | None, default=None, help="ignored (fit configs carry it)")
+    parser.add_argument(
+        "--model", type=dict | None, default=None, help="ignored (fit configs carry it) but a GGUF model's tokenizer"
+    )
     parser.add_argument("--trainer", type=dict | None, default=None, help="ignored (fit configs carry it)")
     parser.add_argument("--seed_everything", type=int | bool | None, default=None, help="ignored")
     parser.add_argument("--candidates", type=list[int] | None, default=None, help="max_length values to compare")
@@ -49,6 +52,10 @@ def lengths(argv: list[str]) -> None:
         raise ArgumentError(None, explain_parse_error(str(error), parser_keys(parser))) from error
     if by_class_path:
         _check_profiled_data(parser, args.data.class_path)
+    model = args.model.get("init_args", args.model) if args.model else None
+    gguf_tokenizer = use_gguf_tokenizer(model, args.data.init_args if by_class_path else args.data)
+    if gguf_tokenizer:
+        print(gguf_tokenizer)
     data = parser.instantiate(args).data
     pairs = isinstance(data, PreferenceDataModule)
     lengths = data.token_lengths(args.sample if getattr(data, "streaming", False) else None)  # never cut by max_length

@@ -18,6 +18,15 @@ from pathlib import Path
 EMBEDDED = "lit-memtrain/embedded"
 """Pass as ``tokenizer`` or ``dataset`` to use the embedded default."""
 
+ADDITION = "lit-memtrain/addition"
+"""A dataset: two-digit additions as conversations (``messages``), none a question of :data:`ADDITION_HELDOUT`."""
+
+ADDITION_HELDOUT = "lit-memtrain/addition-heldout"
+"""A dataset: held-out two-digit additions as prompts with their exact ``answer``, to score a model trained on
+:data:`ADDITION` on questions it never saw."""
+
+_ADDITION_HELDOUT_PAIRS = 500  # of the 10,000 (a, b) pairs, held out of ADDITION
+
 _SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 CHAT_TEMPLATE = (
@@ -90,6 +99,37 @@ def make_arithmetic_prompt(rng: random.Random) -> dict[str, object]:
     and, in an ``answer`` column the reward functions read, its exact result."""
     a, b = rng.randint(0, 99), rng.randint(0, 99)
     return {"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "answer": str(a + b)}
+
+
+def _addition_pairs(seed: int = 3) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Every two-digit pair ``(a, b)``, shuffled and cut in two: the training pairs and the held-out pairs."""
+    pairs = [(a, b) for a in range(100) for b in range(100)]
+    random.Random(seed).shuffle(pairs)
+    return pairs[_ADDITION_HELDOUT_PAIRS:], pairs[:_ADDITION_HELDOUT_PAIRS]
+
+
+def _addition(a: int, b: int) -> tuple[dict[str, str], str]:
+    return {"role": "user", "content": f"What is {a} + {b}?"}, str(a + b)
+
+
+def write_addition_dataset(path: Path, num_examples: int = 6000, seed: int = 4) -> Path:
+    """Write ``num_examples`` addition conversations (``messages``), drawn from the training pairs only."""
+    rng = random.Random(seed)
+    training = _addition_pairs()[0]
+    rows = []
+    for a, b in (rng.choice(training) for _ in range(num_examples)):
+        user, answer = _addition(a, b)
+        rows.append({"messages": [user, {"role": "assistant", "content": answer}]})
+    return _write_json_lines(path, rows)
+
+
+def write_addition_heldout(path: Path) -> Path:
+    """Write the held-out additions as prompts with their ``answer`` (TRL's conversational prompt-only format)."""
+    rows = []
+    for a, b in _addition_pairs()[1]:
+        user, answer = _addition(a, b)
+        rows.append({"prompt": [user], "answer": answer})
+    return _write_json_lines(path, rows)
 
 
 def write_embedded_prompts(path: Path, num_examples: int = 2000, seed: int = 2) -> Path:
@@ -182,4 +222,22 @@ def embedded_prompt_path(cache_dir: Path | None = None) -> str:
     path = (cache_dir or default_cache_dir()) / "prompts.jsonl"
     if not path.exists():
         write_embedded_prompts(path)
+    return str(path)
+
+
+_NAMED_FILES = {
+    ADDITION: ("addition.jsonl", write_addition_dataset),
+    ADDITION_HELDOUT: ("addition_heldout.jsonl", write_addition_heldout),
+}
+
+
+def named_dataset_file(dataset: str) -> str:
+    """The JSON-lines file of :data:`ADDITION` or :data:`ADDITION_HELDOUT` (created on first use); any other
+    ``dataset`` unchanged."""
+    if dataset not in _NAMED_FILES:
+        return dataset
+    name, write = _NAMED_FILES[dataset]
+    path = default_cache_dir() / name
+    if not path.exists():
+        write(path)
     return str(path)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lit_memtrain.datamodules.embedded import EMBEDDED, embedded_dataset_path
+from lit_memtrain.datamodules.embedded import EMBEDDED, embedded_dataset_path, named_dataset_file
 
 if TYPE_CHECKING:
     from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
@@ -155,7 +155,8 @@ def load_raw_dataset(
     data_files: str | list[str] | dict[str, Any] | None = None,
     streaming: bool = False,
 ) -> RawData:
-    """Load a hub dataset name, a local file (jsonl, json, parquet, csv, txt), a directory, or pass a dataset through.
+    """Load a hub dataset name, a local file (jsonl, json, parquet, csv, txt), a directory, an embedded named set
+    (:func:`~lit_memtrain.datamodules.embedded.named_dataset_file`), or pass a dataset through.
 
     With ``streaming`` the result reads its rows lazily (a ``datasets.IterableDataset`` per split): an
     in-memory dataset is turned into one, a ``save_to_disk`` directory is read from its Arrow files.
@@ -174,6 +175,7 @@ def load_raw_dataset(
         if not streaming:
             raise ValueError("An IterableDataset was given: set streaming=True to read it as a stream.")
         return RawData(dataset, {})
+    dataset = named_dataset_file(dataset)
     files = _local_files(dataset, data_files)
     path = Path(embedded_dataset_path() if dataset == EMBEDDED else dataset)
     missing = _missing_file(dataset)

@@ -1,4 +1,4 @@
-"""Loading a tokenizer by hub id, local path or the embedded default, with a usable pad token."""
+"""Loading a tokenizer by hub id, local path, GGUF file or the embedded default, with a usable pad token."""
 
 from __future__ import annotations
 
@@ -7,16 +7,25 @@ import warnings
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from lit_memtrain.datamodules.embedded import EMBEDDED, embedded_tokenizer_path
+from lit_memtrain.datamodules.gguf_files import find_gguf
 
 
-def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
+def load_tokenizer(name_or_path: str, gguf_file: str | None = None) -> PreTrainedTokenizerBase:
     """Load a tokenizer; ``"lit-memtrain/embedded"`` builds the offline default on first use.
+
+    A GGUF file's own tokenizer (and chat template) is read from a ``.gguf`` path, a packaged model's short name
+    (``smollm2-135m-instruct``), or a directory or hub id with ``gguf_file``
+    (:func:`~lit_memtrain.datamodules.gguf_files.find_gguf`).
 
     A tokenizer without a pad token gets its eos token as pad token, with a warning: padding positions are
     masked out of attention and loss, so the choice does not change training.
     """
-    path = embedded_tokenizer_path() if name_or_path == EMBEDDED else name_or_path
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    gguf = find_gguf(name_or_path, gguf_file)
+    if gguf is not None:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.location, gguf_file=gguf.name)
+    else:
+        path = embedded_tokenizer_path() if name_or_path == EMBEDDED else name_or_path
+        tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(f"Tokenizer {name_or_path!r} has neither a pad token nor an eos token to pad with.")

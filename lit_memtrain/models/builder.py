@@ -31,11 +31,14 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
+    GgufConfig,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 
+from lit_memtrain.datamodules.gguf_files import find_gguf
+from lit_memtrain.datamodules.tokenizer import load_tokenizer
 from lit_memtrain.models.lora import (
     LoraSettings,
     apply_lora,
@@ -61,8 +64,10 @@ __all__ = [
     "config_for_task",
     "export_hf_directory",
     "export_sharded_hf_directory",
+    "gguf_tokenizer",
     "load_sharded",
     "peft_task_type",
+    "pretrained_source",
     "reload_unquantized_base",
     "set_score_padding",
 ]
@@ -78,8 +83,8 @@ _PEFT_TASK_TYPES = {"causal_lm": "CAUSAL_LM", "reward": "SEQ_CLS"}  # SEQ_CLS tr
 class ModelRecipe:
     """Everything needed to build (and rebuild for export) the causal LM of a run.
 
-    Exactly one of ``model`` (hub id or local path), ``preset`` (a :data:`~lit_memtrain.models.presets.PRESETS`
-    name) or ``config`` (a dict with ``model_type``) is set. See
+    Exactly one of ``model`` (hub id, local path, GGUF file: :func:`pretrained_source`), ``preset`` (a
+    :data:`~lit_memtrain.models.presets.PRESETS` name) or ``config`` (a dict with ``model_type``) is set. See
     :class:`~lit_memtrain.objectives.causal_lm.CausalLMModule` for the meaning of each field; ``task`` says
     which head the model has (:func:`auto_model_class`).
     """
@@ -118,11 +123,47 @@ class ModelRecipe:
                 "(PEFT's modules_to_save). Drop lora.lm_head."
             )
         if self.quantized:
+            if pretrained_source(self)[1].get("gguf_file"):
+                raise ValueError(
+                    f"QLoRA (lora.quantize) quantizes a checkpoint while loading it, and {self.model!r} is a GGUF "
+                    "file, which transformers dequantizes to float as it loads it. Train a plain LoRA adapter (drop "
+                    "lora.quantize), or export the model to a Hugging Face directory first and quantize that."
+                )
             check_quantization_available(self.lora)
 
     @property
     def quantized(self) -> bool:
         return self.lora is not None and self.lora.quantize is not None
+
+
+def pretrained_source(recipe: ModelRecipe) -> tuple[str, dict[str, Any]]:
+    """Where ``from_pretrained`` reads ``recipe.model`` from, and the ``model_init_kwargs`` it takes.
+
+    A GGUF file (a ``.gguf`` path, a packaged model's short name such as ``smollm2-135m-instruct``, or a directory or
+    hub id with ``gguf_file`` in ``model_init_kwargs``: :func:`~lit_memtrain.datamodules.gguf_files.find_gguf`) is
+    read from its directory with ``gguf_file`` its name, and ``GgufConfig(dequantize=True)``: every weight becomes a
+    plain float tensor, which trains, shards and saves as any checkpoint's (transformers would otherwise keep some
+    architectures' weights in GGUF blocks, which neither train nor save). Any other model is read as it is named.
+    """
+    init_kwargs = dict(recipe.model_init_kwargs)
+    gguf = find_gguf(recipe.model, init_kwargs.pop("gguf_file", None))
+    if gguf is None:
+        return recipe.model, dict(recipe.model_init_kwargs)
+    return gguf.location, {**init_kwargs, "gguf_file": gguf.name}
+
+
+def gguf_tokenizer(recipe: ModelRecipe) -> PreTrainedTokenizerBase | None:
+    """A GGUF model's own tokenizer (chat template included), which a module given no tokenizer trains and exports
+    with; None for a model of another source (a checkpoint directory's tokenizer is not guessed)."""
+    source, init_kwargs = pretrained_source(recipe) if recipe.model else (None, {})
+    if not init_kwargs.get("gguf_file"):
+        return None
+    return load_tokenizer(source, init_kwargs["gguf_file"])
+
+
+def _gguf_dequantized(init_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``from_pretrained``'s quantization option for a GGUF file's weights: dequantized to float."""
+    return {"quantization_config": GgufConfig(dequantize=True)} if init_kwargs.get("gguf_file") else {}
 
 
 def auto_model_class(recipe: ModelRecipe) -> type:
@@ -178,17 +219,18 @@ def build_causal_lm(recipe: ModelRecipe, tokenizer: PreTrainedTokenizerBase | No
     (see :func:`causal_lm_config`); a reward recipe's model has a score head (:func:`auto_model_class`). The model
     is built where the caller's device context puts it.
     """
-    init_kwargs = dict(recipe.model_init_kwargs)
     dtype = "auto" if recipe.dtype == "auto" else DTYPES[recipe.dtype]
     common = {"attn_implementation": recipe.attn_implementation, "trust_remote_code": recipe.trust_remote_code}
     if recipe.model:
+        source, init_kwargs = pretrained_source(recipe)
+        init_kwargs.update(_gguf_dequantized(init_kwargs))
         if recipe.quantized:
             compute_dtype = torch.bfloat16 if dtype in ("auto", torch.float32) else dtype
             init_kwargs["quantization_config"] = quantization_config(recipe.lora, compute_dtype)
             # Quantized weights load straight onto a GPU: this process's own, not always cuda:0 under DDP.
             init_kwargs.setdefault("device_map", {"": int(os.environ.get("LOCAL_RANK", 0))})
         model_class = auto_model_class(recipe)
-        return model_class.from_pretrained(recipe.model, dtype=dtype, **common, **_task_kwargs(recipe), **init_kwargs)
+        return model_class.from_pretrained(source, dtype=dtype, **common, **_task_kwargs(recipe), **init_kwargs)
     model_config = config_for_task(causal_lm_config(recipe, tokenizer), recipe)
     dtype = torch.float32 if dtype == "auto" else dtype
     return auto_model_class(recipe).from_config(model_config, dtype=dtype, **common)
@@ -199,10 +241,10 @@ def causal_lm_config(
 ) -> PretrainedConfig:
     """The config of the model ``build_causal_lm`` builds, without building it or reading any weights.
 
-    For ``recipe.model`` this reads ``config.json`` (a local directory, or the hub or, with
-    ``local_files_only``, only its cache) with ``model_init_kwargs`` applied as ``from_pretrained`` applies
-    them; for a preset or config dict it is the config ``build_causal_lm`` uses, special token ids taken from
-    ``tokenizer`` unless overridden.
+    For ``recipe.model`` this reads ``config.json`` (a local directory, or the hub or, with ``local_files_only``,
+    only its cache; a GGUF file's metadata for a GGUF model, :func:`pretrained_source`) with ``model_init_kwargs``
+    applied as ``from_pretrained`` applies them; for a preset or config dict it is the config ``build_causal_lm``
+    uses, special token ids taken from ``tokenizer`` unless overridden.
 
     The vocabulary is part of a preset's shape: Qwen3-4B's LM head has 151,936 rows whatever tokenizer the run
     reads, and its logits are the largest activation of a long row, so a preset keeps its vocabulary (a plan or
@@ -215,11 +257,9 @@ def causal_lm_config(
             embedding), with both sizes and the override that fixes it.
     """
     if recipe.model:
+        source, init_kwargs = pretrained_source(recipe)
         return AutoConfig.from_pretrained(
-            recipe.model,
-            trust_remote_code=recipe.trust_remote_code,
-            local_files_only=local_files_only,
-            **recipe.model_init_kwargs,
+            source, trust_remote_code=recipe.trust_remote_code, local_files_only=local_files_only, **init_kwargs
         )
     shape = PRESETS[recipe.preset] if recipe.preset else recipe.config
     overrides = dict(recipe.config_overrides or {})

@@ -1,4 +1,4 @@
-"""Answers from an exported Hugging Face directory, for a quick look at a trained model.
+"""Answers from an exported Hugging Face directory or a GGUF file, for a quick look at a trained model.
 
 Greedy by default; ``temperature > 0`` samples (with ``top_p`` nucleus filtering). Works with whatever
 tokenizer the directory ships: inputs the model's ``forward`` does not name (``token_type_ids`` from a
@@ -12,17 +12,36 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["generate_answer", "load_tokenizer_for", "model_inputs"]
+from lit_memtrain.datamodules.gguf_files import find_gguf
+from lit_memtrain.datamodules.tokenizer import load_tokenizer
+from lit_memtrain.models.builder import ModelRecipe, build_causal_lm
+
+__all__ = ["generate_answer", "greedy_completions", "load_model_for", "load_tokenizer_for", "model_inputs"]
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
 
-def load_tokenizer_for(model_dir: str, tokenizer: str | None = None) -> PreTrainedTokenizerBase:
-    """The tokenizer saved in ``model_dir`` (or ``tokenizer``, a directory or hub id), with a clear error when
-    there is none (``AutoTokenizer`` would otherwise build an empty one from the model's config)."""
+def load_model_for(model: str, gguf_file: str | None = None) -> PreTrainedModel:
+    """The causal LM in ``model`` (a directory or hub id, with ``gguf_file`` the GGUF file in it; a ``.gguf`` path; a
+    packaged GGUF model's short name), in eval mode and the dtype it was saved in."""
+    init_kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    recipe = ModelRecipe(model=model, dtype="auto", attn_implementation=None, model_init_kwargs=init_kwargs)
+    return build_causal_lm(recipe).eval()
+
+
+def load_tokenizer_for(
+    model_dir: str, tokenizer: str | None = None, gguf_file: str | None = None
+) -> PreTrainedTokenizerBase:
+    """The tokenizer saved in ``model_dir`` or in its GGUF file (``gguf_file``, or ``model_dir`` a ``.gguf`` path or a
+    packaged model's name), or ``tokenizer`` (a directory, hub id or GGUF file), with a clear error when there is
+    none (``AutoTokenizer`` would otherwise build an empty one from the model's config)."""
+    if tokenizer is None and find_gguf(model_dir, gguf_file) is not None:
+        return load_tokenizer(model_dir, gguf_file)
+    if tokenizer is not None and find_gguf(tokenizer) is not None:
+        return load_tokenizer(tokenizer)
     source = tokenizer or model_dir
     hint = (
         "Export the model with its tokenizer (CausalLMModule(tokenizer=...) or tokenizer.save_pretrained(dir)), "
@@ -50,27 +69,34 @@ def model_inputs(model: PreTrainedModel, encoded: dict[str, Any]) -> dict[str, A
 
 
 def generate_answer(
-    model_dir: str,
+    model_dir: str | PreTrainedModel,
     prompt: str,
     max_new_tokens: int = 32,
     temperature: float = 0.0,
     top_p: float = 1.0,
-    tokenizer: str | None = None,
+    tokenizer: str | PreTrainedTokenizerBase | None = None,
     seed: int | None = None,
+    gguf_file: str | None = None,
 ) -> str:
     """Answer ``prompt`` with the model in ``model_dir`` (chat template when the tokenizer has one).
+
+    ``model_dir`` and ``tokenizer`` may be a model and tokenizer loaded already (:func:`load_model_for`,
+    :func:`load_tokenizer_for`), to answer several prompts without reading the weights again.
 
     Args:
         temperature: 0 decodes greedily; above 0, samples at this temperature.
         top_p: nucleus sampling: sample among the most likely tokens whose probabilities sum to ``top_p``.
         tokenizer: a tokenizer directory or hub id, when ``model_dir`` has none.
         seed: seeds the sampling, for reproducible answers.
+        gguf_file: the GGUF file in ``model_dir`` to read model and tokenizer from (:func:`load_model_for`).
     """
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature} and {top_p}.")
-    loaded = load_tokenizer_for(model_dir, tokenizer)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    model.eval()
+    if isinstance(tokenizer, PreTrainedTokenizerBase):
+        loaded = tokenizer
+    else:
+        loaded = load_tokenizer_for(model_dir, tokenizer, gguf_file)
+    model = model_dir if isinstance(model_dir, PreTrainedModel) else load_model_for(model_dir, gguf_file)
     if loaded.chat_template:
         text = loaded.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
     else:
@@ -89,3 +115,44 @@ def generate_answer(
             **sampling,
         )
     return loaded.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+@torch.no_grad()
+def greedy_completions(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str | list[dict[str, Any]]],
+    max_new_tokens: int,
+    batch_size: int = 32,
+) -> list[str]:
+    """The greedy completion of each prompt (a conversation, rendered with the chat template and its generation
+    prompt, or a plain string), decoded without special tokens, generated ``batch_size`` prompts at a time.
+
+    Prompts are padded on the left, so that every row's completion starts where its prompt ends; the attention mask
+    keeps the padding out, and the answers equal those of each prompt generated alone. The model is left in the mode
+    it was in.
+    """
+    texts = [
+        prompt if isinstance(prompt, str)
+        else tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        for prompt in prompts
+    ]  # fmt: skip
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    was_training = model.training
+    model.eval()
+    completions = []
+    try:
+        for start in range(0, len(texts), batch_size):
+            encoded = tokenizer(texts[start : start + batch_size], return_tensors="pt", padding=True,
+                                add_special_tokens=False).to(model.device)  # fmt: skip
+            output = model.generate(
+                **model_inputs(model, dict(encoded)), max_new_tokens=max_new_tokens, do_sample=False,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=pad_token_id,
+            )  # fmt: skip
+            new_tokens = output[:, encoded["input_ids"].shape[1] :]
+            completions += tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
+    finally:
+        tokenizer.padding_side = padding_side
+        model.train(was_training)
+    return completions

@@ -22,7 +22,7 @@ from torchmetrics.metric import CompositionalMetric
 from transformers import PreTrainedModel
 
 from lit_memtrain.datamodules.batch import IGNORE_INDEX, batch_targets, model_inputs
-from lit_memtrain.models.builder import ModelRecipe, build_sharded_training_model, build_training_model
+from lit_memtrain.models.builder import ModelRecipe, build_sharded_training_model, build_training_model, gguf_tokenizer
 from lit_memtrain.models.builder import export_hf_directory, export_sharded_hf_directory
 from lit_memtrain.models.lora import LoraSettings, head_weight
 from lit_memtrain.models.moe import load_balancing_loss, router_aux_coefficient
@@ -46,11 +46,15 @@ class CausalLMModule(LightningModule):
     """Fine-tune a causal LM from the hub, a local directory, or random weights from a preset/config.
 
     Args:
-        model: hub id or local path passed to ``AutoModelForCausalLM.from_pretrained``.
+        model: hub id or local path passed to ``AutoModelForCausalLM.from_pretrained``; or a GGUF file, dequantized
+            to float: a ``.gguf`` path, a directory or hub id with ``model_init_kwargs={"gguf_file": name}``, or a
+            packaged model's short name (``smollm2-135m-instruct``, :data:`~lit_memtrain.datamodules.gguf_files.
+            PACKAGED_GGUF`).
         preset: a preset name from :data:`lit_memtrain.models.presets.PRESETS` (random weights), used when
             ``model`` is not given; ``config`` may be a dict with ``model_type`` instead.
         config_overrides: config values applied on top of the preset (for example ``num_hidden_layers``).
-        tokenizer: tokenizer to export with the model (linked to the datamodule's by the CLI). A preset keeps
+        tokenizer: tokenizer to export with the model (linked to the datamodule's by the CLI); without one, a GGUF
+            model's own (its chat template too), and no tokenizer for other sources. A preset keeps
             its own vocabulary (``config_overrides`` may set ``vocab_size``) and the tokenizer must fit inside it;
             a config dict that names no ``vocab_size`` takes the tokenizer's length.
         dtype: parameter dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto`` (the checkpoint's).
@@ -147,7 +151,7 @@ class CausalLMModule(LightningModule):
         self.save_hyperparameters()
         from lit_memtrain.datamodules.tokenizer import load_tokenizer
 
-        self.tokenizer = load_tokenizer(tokenizer) if tokenizer else None
+        self.tokenizer = load_tokenizer(tokenizer) if tokenizer else gguf_tokenizer(self.recipe)
         self.model: PreTrainedModel | None = None
         self.adapter_only_checkpoints = lora is not None and bool(model)
         self.strict_loading = not self.adapter_only_checkpoints

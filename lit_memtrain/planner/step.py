@@ -443,9 +443,10 @@ def _local_tokenizer(name: str):
     from pathlib import Path
 
     from lit_memtrain.datamodules.embedded import EMBEDDED
+    from lit_memtrain.datamodules.gguf_files import PACKAGED_GGUF
     from lit_memtrain.datamodules.tokenizer import load_tokenizer
 
-    if name == EMBEDDED or Path(name).exists():
+    if name == EMBEDDED or Path(name).exists() or name in PACKAGED_GGUF:
         return load_tokenizer(name)
     from transformers import AutoTokenizer
 

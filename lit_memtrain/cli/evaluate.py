@@ -1,0 +1,35 @@
+"""``lit-memtrain evaluate``: the exact-answer accuracy of a model on held-out prompts, by greedy generation."""
+
+from __future__ import annotations
+
+import argparse
+
+from lit_memtrain.cli.generate import add_model_arguments
+
+__all__ = ["evaluate"]
+
+
+def evaluate(argv: list[str]) -> None:
+    from lit_memtrain.datamodules.embedded import ADDITION_HELDOUT
+    from lit_memtrain.models.generate import load_model_for, load_tokenizer_for
+    from lit_memtrain.objectives.answer_accuracy import load_answer_prompts, score_exact_answers
+
+    parser = argparse.ArgumentParser(
+        prog="lit-memtrain evaluate",
+        description="Exact-answer accuracy of a model on prompts with verifiable answers, by greedy generation.",
+    )
+    add_model_arguments(parser)
+    parser.add_argument(
+        "--dataset", default=ADDITION_HELDOUT,
+        help=f"prompts with an 'answer' column (default {ADDITION_HELDOUT}: sums lit-memtrain/addition never asks)",
+    )  # fmt: skip
+    parser.add_argument("--num_prompts", type=int, default=200, help="how many of the dataset's first prompts")
+    parser.add_argument("--max_new_tokens", type=int, default=8)
+    parser.add_argument("--batch_size", type=int, default=50, help="prompts generated together")
+    args = parser.parse_args(argv)
+    rows = load_answer_prompts(args.dataset, args.num_prompts)
+    tokenizer = load_tokenizer_for(args.model, args.tokenizer, args.gguf_file)
+    score = score_exact_answers(
+        load_model_for(args.model, args.gguf_file), tokenizer, rows, args.max_new_tokens, args.batch_size
+    )
+    print(f"exact-answer accuracy of {args.model} on {args.num_prompts} prompts of {args.dataset}: {score}")

@@ -1,0 +1,71 @@
+"""Exact-answer accuracy: the share of held-out prompts a model answers exactly, by greedy generation.
+
+Why: the training loss says how well a model predicts the reference tokens, not whether it gets the answer right.
+For tasks whose answers can be checked (``configs/grpo.yaml``'s and ``configs/smollm2_sft.yaml``'s two-digit
+additions), the task's own measure is the share of prompts whose greedy completion is the exact answer, as
+:func:`~lit_memtrain.objectives.arithmetic_rewards.exact_answer` rewards it. The prompts are rows of a prompt dataset
+with an ``answer`` column (TRL's prompt-only format, conversational or plain), e.g.
+:data:`~lit_memtrain.datamodules.embedded.ADDITION_HELDOUT`, whose questions
+:data:`~lit_memtrain.datamodules.embedded.ADDITION` never asks. Shared by ``lit-memtrain evaluate`` and the
+:class:`~lit_memtrain.callbacks.ExactAnswerAccuracy` callback (before and after a fit).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from lit_memtrain.datamodules.sources import load_raw_dataset
+from lit_memtrain.models.generate import greedy_completions
+from lit_memtrain.objectives.arithmetic_rewards import exact_answer
+
+__all__ = ["AnswerScore", "load_answer_prompts", "score_exact_answers"]
+
+
+class AnswerScore(NamedTuple):
+    """How many of ``total`` prompts were answered exactly."""
+
+    correct: int
+    total: int
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.total
+
+    def __str__(self) -> str:
+        return f"{self.correct}/{self.total} ({100 * self.accuracy:.1f}%)"
+
+
+def load_answer_prompts(dataset: str, num_prompts: int) -> list[dict[str, Any]]:
+    """The first ``num_prompts`` rows (``prompt`` and ``answer``) of ``dataset``'s train split.
+
+    Raises:
+        ValueError: the dataset has no ``prompt`` or ``answer`` column, or fewer than ``num_prompts`` rows.
+    """
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts must be at least 1, got {num_prompts}.")
+    split = load_raw_dataset(dataset).data["train"]
+    missing = [column for column in ("prompt", "answer") if column not in split.column_names]
+    if missing:
+        raise ValueError(
+            f"Dataset {dataset!r} has no {' or '.join(repr(c) for c in missing)} column (its columns: "
+            f"{split.column_names}): exact-answer accuracy needs prompts with their answer, as in "
+            "lit-memtrain/addition-heldout."
+        )
+    if len(split) < num_prompts:
+        raise ValueError(f"Dataset {dataset!r} has {len(split)} prompts, fewer than num_prompts={num_prompts}.")
+    return [{"prompt": row["prompt"], "answer": str(row["answer"])} for row in split.select(range(num_prompts))]
+
+
+def score_exact_answers(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    rows: list[dict[str, Any]],
+    max_new_tokens: int = 8,
+    batch_size: int = 32,
+) -> AnswerScore:
+    """The number of ``rows`` whose greedy completion (``max_new_tokens`` at most) is exactly their ``answer``."""
+    completions = greedy_completions(model, tokenizer, [row["prompt"] for row in rows], max_new_tokens, batch_size)
+    rewards = exact_answer(completions, [row["answer"] for row in rows])
+    return AnswerScore(int(sum(rewards)), len(rows))

@@ -1,0 +1,57 @@
+"""Exact-answer accuracy by greedy generation: batched answers equal each prompt's own, scores count exact answers,
+and the held-out additions are questions the training additions never ask."""
+
+import json
+
+import pytest
+import torch
+from gguf_writer import tiny_llama
+
+from lit_memtrain.datamodules.embedded import ADDITION, ADDITION_HELDOUT, named_dataset_file
+from lit_memtrain.models.generate import greedy_completions, model_inputs
+from lit_memtrain.objectives.answer_accuracy import AnswerScore, load_answer_prompts, score_exact_answers
+
+
+def _questions(dataset: str, key: str) -> set[str]:
+    with open(named_dataset_file(dataset)) as file:
+        return {json.loads(line)[key][0]["content"] for line in file}
+
+
+def test_the_held_out_additions_are_never_asked_in_training():
+    held_out, training = _questions(ADDITION_HELDOUT, "prompt"), _questions(ADDITION, "messages")
+    assert len(held_out) == 500 and len(training) > 4000 and not held_out & training
+    rows = load_answer_prompts(ADDITION_HELDOUT, 200)
+    question = rows[0]["prompt"][0]["content"]
+    a, b = map(int, question.removeprefix("What is ").removesuffix("?").split(" + "))
+    assert len(rows) == 200 and rows[0]["answer"] == str(a + b)
+
+
+def _alone(model, tokenizer, prompt, max_new_tokens):
+    text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    encoded = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+    output = model.generate(**model_inputs(model, dict(encoded)), max_new_tokens=max_new_tokens, do_sample=False,
+                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    return tokenizer.decode(output[0, encoded["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def test_batched_greedy_answers_equal_each_prompts_own_and_are_scored_exactly(tokenizer):
+    model = tiny_llama().train()
+    rows = load_answer_prompts(ADDITION_HELDOUT, 12)  # questions of different token lengths: left padding in a batch
+    with torch.no_grad():
+        alone = [_alone(model.eval(), tokenizer, row["prompt"], 5) for row in rows]
+    model.train()
+    assert greedy_completions(model, tokenizer, [row["prompt"] for row in rows], 5, batch_size=5) == alone
+    assert model.training and tokenizer.padding_side == "right"
+    answered = [
+        {**row, "answer": answer.strip() if i % 3 else "wrong"} for i, (row, answer) in enumerate(zip(rows, alone))
+    ]
+    assert score_exact_answers(model, tokenizer, answered, 5, batch_size=5) == AnswerScore(8, 12)
+
+
+def test_prompts_without_answers_are_refused(tmp_path):
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps({"prompt": "What is 1 + 1?"}) + "\n")
+    with pytest.raises(ValueError, match=r"has no 'answer' column \(its columns: \['prompt'\]\)"):
+        load_answer_prompts(str(path), 1)
+    with pytest.raises(ValueError, match="has 500 prompts, fewer than num_prompts=501"):
+        load_answer_prompts(ADDITION_HELDOUT, 501)
