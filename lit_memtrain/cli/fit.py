@@ -25,16 +25,21 @@ import yaml
 from lightning.pytorch import LightningDataModule, Trainer
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, LRSchedulerTypeTuple
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.strategies import Strategy
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
+from lit_memtrain.callbacks.output_preflight import OutputPreflight
+from lit_memtrain.callbacks.run_folder_lock import RunFolderLock
 from lit_memtrain.cli.errors import RunStarted, one_line_errors
 from lit_memtrain.cli.library_noise import quiet_loggers
 from lit_memtrain.cli.model_choice import replace_earlier_choices
 from lit_memtrain.cli.parse_errors import explain_parse_error, parser_keys
 from lit_memtrain.cli.progress import StepProgressBar
+from lit_memtrain.cli.resume import check_same_configuration, continued_loggers, resume_point, stable_checkpoint_folders
 from lit_memtrain.datamodules.sft import SFTDataModule
+from lit_memtrain.objectives.atomic_checkpoint_io import AtomicCheckpointIO
 from lit_memtrain.objectives.causal_lm import CausalLMModule
 
 __all__ = ["FIT_SUBCOMMANDS", "MemTrainCLI", "names_model_class", "run_fit"]
@@ -129,10 +134,29 @@ class MemTrainCLI(LightningCLI):
         wants_bar = config.get("enable_progress_bar") is not False
         if "callbacks" not in kwargs and wants_bar and not any(isinstance(c, ProgressBar) for c in given):
             kwargs["callbacks"] = [*_as_list(config.get("callbacks")), StepProgressBar()]
-        return super().instantiate_trainer(**kwargs)
+        trainer = super().instantiate_trainer(**kwargs)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default; a user's own is kept
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        return trainer
 
     def before_fit(self) -> None:
+        """Prepare the run (:meth:`_before_run`) and settle what it resumes from (:mod:`lit_memtrain.cli.resume`):
+        the checkpoint ``--ckpt_path`` (``last``: the newest readable one in the stable checkpoint folder), the
+        loggers continuing its run, and the one line saying so."""
         self._before_run()
+        section = self.config_init[self.subcommand]
+        point = resume_point(section.get("ckpt_path"), stable_checkpoint_folders(self.trainer))
+        for line in point.warnings:
+            rank_zero_warn(line)
+        for line in point.lines:
+            rank_zero_info(line)
+        if point.checkpoint is not None:
+            check_same_configuration(point.path, point.checkpoint, self.model, self.datamodule)
+            configured = self.config[self.subcommand].get("trainer.logger")
+            loggers = continued_loggers(configured, self.trainer.loggers, point.checkpoint)
+            if loggers is not None:
+                self.trainer.loggers = loggers
+        section["ckpt_path"] = None if point.path is None else str(point.path)
 
     def before_validate(self) -> None:
         self._before_run()
@@ -181,7 +205,7 @@ def run_fit(argv: list[str]) -> None:
             subclass_mode_model=by_class_path,
             subclass_mode_data=by_class_path,
             save_config_kwargs={"overwrite": True},
-            trainer_defaults={"callbacks": [run]},
+            trainer_defaults={"callbacks": [run, RunFolderLock(), OutputPreflight()]},
             parser_kwargs={"prog": "lit-memtrain", **parser_kwargs, **dict.fromkeys(FIT_SUBCOMMANDS, parser_kwargs)},
             args=argv,
         )
