@@ -37,7 +37,13 @@ from lit_memtrain.cli.library_noise import quiet_loggers
 from lit_memtrain.cli.model_choice import replace_earlier_choices
 from lit_memtrain.cli.parse_errors import explain_parse_error, parser_keys
 from lit_memtrain.cli.progress import StepProgressBar
-from lit_memtrain.cli.resume import check_same_configuration, continued_loggers, resume_point, stable_checkpoint_folders
+from lit_memtrain.cli.resume import (
+    check_same_configuration,
+    continued_loggers,
+    readable_checkpoint,
+    resume_point,
+    stable_checkpoint_folders,
+)
 from lit_memtrain.datamodules.sft import SFTDataModule
 from lit_memtrain.objectives.atomic_checkpoint_io import AtomicCheckpointIO
 from lit_memtrain.objectives.causal_lm import CausalLMModule
@@ -114,6 +120,9 @@ class MemTrainCLI(LightningCLI):
             raise ArgumentError(None, explain_parse_error(str(error), parser_keys(*parsers))) from error
         # A strategy's import path alone is the class, as the plan reads it (_strategy_class says why).
         section = self.config[self.config.subcommand] if self.config.get("subcommand") else self.config
+        ckpt_path = section.get("ckpt_path")
+        if ckpt_path and Path(ckpt_path).exists():  # LightningCLI reads it next, and would end in a traceback
+            readable_checkpoint(ckpt_path)
         strategy = section.get("trainer.strategy")
         if isinstance(strategy, str) and _strategy_class(strategy) is not None:
             section["trainer.strategy"] = Namespace(class_path=strategy, init_args=Namespace())

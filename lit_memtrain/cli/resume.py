@@ -32,8 +32,10 @@ from lit_memtrain.objectives.checkpoint_files import (
     unreadable_reason,
 )
 
-__all__ = ["MODEL_SETTINGS", "DATA_SETTINGS", "ResumePoint", "check_same_configuration", "continued_loggers",
-           "resume_point", "stable_checkpoint_folders"]
+__all__ = [
+    "DATA_SETTINGS", "MODEL_SETTINGS", "ResumePoint", "check_same_configuration", "continued_loggers",
+    "readable_checkpoint", "resume_point", "stable_checkpoint_folders",
+]  # fmt: skip
 
 # The settings that make a checkpoint's state another model's or another data order's when they change.
 MODEL_SETTINGS = ("model", "preset", "config", "config_overrides", "model_init_kwargs", "lora")
@@ -76,15 +78,7 @@ def resume_point(ckpt_path: str | None, folders: list[Path]) -> ResumePoint:
     if ckpt_path is None:
         return ResumePoint(None, None, [f"Starting fresh (no --ckpt_path); checkpoints go to {where}"], [])
     if ckpt_path != "last":
-        try:
-            checkpoint = read_checkpoint(ckpt_path)
-        except FileNotFoundError:
-            raise ValueError(f"--ckpt_path {ckpt_path}: no such checkpoint") from None
-        except Exception as error:  # noqa: BLE001 -- any reason is the user's to hear, in one line
-            raise ValueError(
-                f"--ckpt_path {ckpt_path} cannot be read: {unreadable_reason(error)}. Give another checkpoint, or "
-                "--ckpt_path last for the newest readable one."
-            ) from None
+        checkpoint = readable_checkpoint(ckpt_path)
         return ResumePoint(Path(ckpt_path), checkpoint, [_resuming(ckpt_path, checkpoint)], [])
     found = newest_readable(checkpoints_in(folders))
     warnings = [f"Skipped checkpoint {path}: {reason}" for path, reason in found.skipped]
@@ -93,6 +87,23 @@ def resume_point(ckpt_path: str | None, folders: list[Path]) -> ResumePoint:
         return ResumePoint(None, None, [f"Starting fresh: no checkpoint to resume{seen} in {where}"], warnings)
     checkpoint = read_checkpoint(found.path)
     return ResumePoint(found.path, checkpoint, [_resuming(found.path, checkpoint)], warnings)
+
+
+def readable_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
+    """The checkpoint ``--ckpt_path`` names (tensors memory-mapped).
+
+    Raises:
+        ValueError: it is not there or cannot be read, in one line.
+    """
+    try:
+        return read_checkpoint(ckpt_path)
+    except FileNotFoundError:
+        raise ValueError(f"--ckpt_path {ckpt_path}: no such checkpoint") from None
+    except Exception as error:  # noqa: BLE001 -- any reason is the user's to hear, in one line
+        raise ValueError(
+            f"--ckpt_path {ckpt_path} cannot be read: {unreadable_reason(error)}. Give another checkpoint, or "
+            "--ckpt_path last for the newest readable one."
+        ) from None
 
 
 def _resuming(path: str | Path, checkpoint: dict[str, Any]) -> str:

@@ -1,0 +1,152 @@
+"""Relaunching a preempted ``lit-memtrain fit --ckpt_path last`` resumes where it stopped: with the shipped W&B
+logger (offline) the run continues under its id, an unreadable checkpoint is skipped for the newest readable one,
+a folder a live run holds is refused, and a checkpoint of another configuration is refused."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import wandb
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lit_memtrain.callbacks.run_folder_lock import RunFolderLock
+from lit_memtrain.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
+TINY = "--model.config_overrides={hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, head_dim: 16}"
+EVERY_STEP = (
+    "--trainer.callbacks+={class_path: lightning.pytorch.callbacks.ModelCheckpoint, "
+    "init_args: {every_n_train_steps: 1, save_last: true, save_top_k: -1}}"
+)
+
+
+def fit(folder: Path, *extra: str) -> None:
+    """The quickstart (W&B offline logger) made tiny, checkpointing every step into ``folder``, resuming ``last``."""
+    try:
+        main([
+            "fit", "--config", QUICKSTART, "--ckpt_path", "last", "--trainer.enable_checkpointing=true", EVERY_STEP,
+            "--trainer.max_steps=2", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
+            f"--trainer.logger.init_args.save_dir={folder}", TINY, "--model.export_dir=null",
+            "--data.batch_size=2", "--data.val_size=0", *extra,
+        ])  # fmt: skip
+    finally:
+        wandb.finish()  # a run still open would be taken up by the next fit's logger
+
+
+def error_line(capsys) -> str:
+    """The one line a refused fit printed (W&B prints its own lines after it)."""
+    return next(line for line in capsys.readouterr().err.splitlines() if line.startswith("lit-memtrain fit: error: "))
+
+
+def step_of(path: Path) -> int:
+    return int(torch.load(path, weights_only=True)["global_step"])
+
+
+def run_ids(folder: Path) -> list[str]:
+    return sorted(path.name.rsplit("-", 1)[1] for path in (folder / "wandb").glob("offline-run-*"))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[Path, Path]:
+    """A run folder after a two-step fit (checkpoints at steps 1 and 2, and last.ckpt), and a copy of it."""
+    folder = tmp_path_factory.mktemp("trained") / "run"
+    fit(folder)
+    return folder, Path(shutil.copytree(folder, folder.with_name("pristine")))
+
+
+@pytest.fixture
+def run(trained) -> Path:
+    """The trained run folder as the two-step fit left it, for a test to resume or damage (in its own place:
+    ModelCheckpoint keeps using last.ckpt only in the folder that wrote it)."""
+    folder, pristine = trained
+    shutil.rmtree(folder)
+    return Path(shutil.copytree(pristine, folder))
+
+
+def test_the_first_fit_says_it_starts_fresh_and_where_it_looked(tmp_path, info_lines):
+    folder = tmp_path / "fresh"
+    fit(folder, "--trainer.max_steps=1")
+    assert f"Starting fresh: no checkpoint to resume in {folder / 'checkpoints'}" in info_lines
+    assert sorted(path.name for path in (folder / "checkpoints").glob("*.ckpt")) == ["epoch=0-step=1.ckpt", "last.ckpt"]
+
+
+def test_relaunching_resumes_the_newest_readable_checkpoint_and_continues_the_wandb_run(run, info_lines, recwarn):
+    checkpoints = run / "checkpoints"
+    assert sorted(path.name for path in checkpoints.glob("*.ckpt")) == [
+        "epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt", "last.ckpt",
+    ]  # fmt: skip
+    (checkpoints / "last.ckpt").write_bytes((checkpoints / "last.ckpt").read_bytes()[:1000])  # a kill mid-copy
+    first_id = run_ids(run)
+    fit(run, "--trainer.max_steps=3")
+    skipped = [str(w.message) for w in recwarn if "Skipped checkpoint" in str(w.message)]
+    assert skipped == [f"Skipped checkpoint {checkpoints / 'last.ckpt'}: truncated or not a checkpoint (no complete zip archive)"]
+    assert f"Resuming from {checkpoints / 'epoch=0-step=2.ckpt'} (step 2)" in info_lines
+    assert step_of(checkpoints / "last.ckpt") == step_of(checkpoints / "epoch=0-step=3.ckpt") == 3
+    assert len(first_id) == 1 and run_ids(run) == first_id * 2  # one W&B run, continued under its id
+
+
+def test_a_second_fit_on_a_folder_a_live_run_holds_refuses_naming_it(run, capsys, info_lines):
+    checkpoints = run / "checkpoints"
+    held = run / "held"
+    pid = os.fork()
+    if pid == 0:  # another fit, holding the folder
+        try:
+            stub = SimpleNamespace(
+                is_global_zero=True, checkpoint_callbacks=[ModelCheckpoint(dirpath=checkpoints)],
+                strategy=SimpleNamespace(broadcast=lambda value, src=0: value),
+            )  # fmt: skip
+            lock = RunFolderLock()
+            lock.on_fit_start(stub, None)
+            held.touch()
+            time.sleep(60)
+            lock.release()
+        finally:
+            os._exit(0)
+    try:
+        deadline = time.monotonic() + 30
+        while not held.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(SystemExit) as exit_info:
+            fit(run, "--trainer.max_steps=3")
+        assert exit_info.value.code == 2
+        line = error_line(capsys)
+        assert line.startswith(f"lit-memtrain fit: error: {checkpoints} is held by a run that is still going (process {pid} on ")
+        assert step_of(checkpoints / "last.ckpt") == 2  # nothing written
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    fit(run, "--trainer.max_steps=3")  # the killed run's hold is stale: taken over
+    assert any(line.startswith(f"{checkpoints}: took over the hold of a run that ended without releasing it (process {pid} ") for line in info_lines)
+    assert step_of(checkpoints / "last.ckpt") == 3
+
+
+def test_resuming_a_checkpoint_of_another_model_configuration_refuses_in_one_line(run, capsys):
+    other = "--model.config_overrides={hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, head_dim: 16}"
+    with pytest.raises(SystemExit) as exit_info:
+        fit(run, "--trainer.max_steps=3", other)
+    assert exit_info.value.code == 2
+    line = error_line(capsys)
+    assert line.startswith(
+        f"lit-memtrain fit: error: {run / 'checkpoints' / 'last.ckpt'} was made with another model configuration "
+        "(config_overrides: {'hidden_size': 32, 'intermediate_size': 64, 'num_hidden_layers': 1, 'head_dim': 16} there, "
+    )
+
+
+def test_an_unreadable_checkpoint_given_to_fit_is_named_in_one_line(run, capsys):
+    broken = run / "checkpoints" / "epoch=0-step=2.ckpt"
+    broken.write_bytes(broken.read_bytes()[:500])
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", QUICKSTART, "--trainer.logger=false", f"--ckpt_path={broken}", TINY])
+    line = error_line(capsys)
+    assert line == (
+        f"lit-memtrain fit: error: --ckpt_path {broken} cannot be read: truncated or not a checkpoint (no complete "
+        "zip archive). Give another checkpoint, or --ckpt_path last for the newest readable one."
+    )
