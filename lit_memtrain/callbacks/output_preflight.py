@@ -71,10 +71,10 @@ class OutputPreflight(Callback):
             need = sum(size for _, size in folders)
             free = shutil.disk_usage(folders[0][0]).free
             if need > free:
-                names = ", ".join(f"{folder} ({size / _MIB:,.0f} MiB)" for folder, size in folders if size)
+                names = ", ".join(f"{folder} ({size / _MIB:,.1f} MiB)" for folder, size in folders if size)
                 return "room", (
-                    f"Not enough room: {names} need about {need / _MIB:,.0f} MiB on one filesystem and "
-                    f"{free / _MIB:,.0f} MiB are free. Free some space or write the outputs elsewhere."
+                    f"Not enough room: {names} need about {need / _MIB:,.1f} MiB on one filesystem and "
+                    f"{free / _MIB:,.1f} MiB are free. Free some space or write the outputs elsewhere."
                 )
         return None
 
@@ -94,6 +94,8 @@ def estimated_sizes(pl_module: LightningModule) -> tuple[int, int]:
 
 def _write_error(folder: Path) -> str | None:
     """Why ``folder`` cannot be made or written to, or None."""
+    if folder.exists() and not folder.is_dir():
+        return "it is a file, not a folder"
     try:
         folder.mkdir(parents=True, exist_ok=True)
         descriptor, probe = tempfile.mkstemp(dir=folder, prefix=".lit-memtrain-write-check-")

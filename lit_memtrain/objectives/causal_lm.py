@@ -435,6 +435,7 @@ class CausalLMModule(LightningModule):
         }  # fmt: skip
         self.on_save_checkpoint(checkpoint)
         folders = [cb.dirpath for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
+        folders += [logger.save_dir for logger in trainer.loggers if logger.save_dir]
         folders += [trainer.default_root_dir, tempfile.gettempdir()]
         path, failures = save_to_first_writable(checkpoint, f"trained-step={step}.ckpt", folders)
         if path is None:
