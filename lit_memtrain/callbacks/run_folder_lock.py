@@ -93,7 +93,8 @@ class RunFolderLock(Callback):
             file.seek(0)
             stale = file.read()
             if stale.strip():
-                rank_zero_info(f"{folder}: took over the hold of a run that ended without releasing it ({_describe(stale)})")
+                ended = _describe(stale)
+                rank_zero_info(f"{folder}: took over the hold of a run that ended without releasing it ({ended})")
             file.seek(0)
             file.truncate(0)
             file.write(json.dumps(_this_run()))

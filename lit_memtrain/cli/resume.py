@@ -76,7 +76,10 @@ def resume_point(ckpt_path: str | None, folders: list[Path]) -> ResumePoint:
     """
     where = ", ".join(map(str, folders)) or "no checkpoint folder (checkpointing is off)"
     if ckpt_path is None:
-        return ResumePoint(None, None, [f"Starting fresh (no --ckpt_path); checkpoints go to {where}"], [])
+        if not folders:
+            return ResumePoint(None, None, ["Starting fresh; checkpointing is off, so this fit cannot be resumed"], [])
+        line = f"Starting fresh (no --ckpt_path); checkpoints go to {where}, which --ckpt_path last resumes"
+        return ResumePoint(None, None, [line], [])
     if ckpt_path != "last":
         checkpoint = readable_checkpoint(ckpt_path)
         return ResumePoint(Path(ckpt_path), checkpoint, [_resuming(ckpt_path, checkpoint)], [])

@@ -68,6 +68,18 @@ class TokenCounts:
         )
 
 
+def truncation_warning(counts: TokenCounts, name: str, max_length: int) -> str | None:
+    """A warning when truncation cut more than a tenth of ``name``'s tokens, naming the options that keep them."""
+    if not counts.tokens or counts.truncated_tokens * 10 <= counts.tokens:
+        return None
+    return (
+        f"{name}: {100 * counts.truncated_tokens / counts.tokens:.1f}% of the tokens ({counts.truncated_tokens:,} of "
+        f"{counts.tokens:,}) are cut past max_length={max_length} and never trained on. Keep them with a larger "
+        "--data.max_length (lit-memtrain lengths recommends one), or with --data.packing=true "
+        "--data.packing_strategy=bfd_split (long examples split into chunks that all train)."
+    )
+
+
 class ExampleError(ValueError):
     """One example cannot be tokenized; the datamodule adds where the example is (file and line)."""
 
@@ -152,6 +164,12 @@ def _check_messages(messages: Any, name: str) -> list[dict[str, Any]]:
                     f"{name!r}: message {index} has no {key!r} (it has {sorted(k for k, v in message.items() if v is not None)}); "
                     "every message needs a 'role' and a 'content'."
                 )
+        content = message["content"]
+        if not isinstance(content, (str, list)):
+            raise ExampleError(
+                f"{name!r}: the 'content' of message {index} ({message['role']!r}) is not text "
+                f"({type(content).__name__}: {content!r:.40}); write it as a string."
+            )
     return messages
 
 

@@ -41,12 +41,14 @@ def test_an_export_folder_that_cannot_be_written_refuses_before_the_first_step(f
     (tmp_path / "a-file").touch()  # root writes anywhere: a file in the way is what no user can write through
     export = tmp_path / "a-file" / "export"
     assert refusal([*fit, f"--model.export_dir={export}"], capsys) == (
-        f"lit-memtrain fit: error: {export.parent} cannot be written (it is a file, not a folder); the fit would fail when it "
-        "writes there."
+        f"lit-memtrain fit: error: {export.parent} cannot be written (it is a file, not a folder); the fit would fail "
+        "when it writes there."
     )
 
 
-def test_a_filesystem_without_room_for_a_checkpoint_and_the_export_refuses_with_the_figures(fit, tmp_path, capsys, monkeypatch):
+def test_a_filesystem_without_room_for_a_checkpoint_and_the_export_refuses_with_the_figures(
+    fit, tmp_path, capsys, monkeypatch
+):
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2**30, 2**30 - 2**16, 2**16))
     line = refusal([*fit, "--trainer.enable_checkpointing=true", f"--model.export_dir={tmp_path / 'export'}"], capsys)
@@ -76,7 +78,8 @@ def test_an_export_failing_at_the_end_keeps_the_trained_weights_and_leaves_no_fo
         f"the trained weights are saved in {saved}: lit-memtrain export --checkpoint {saved} --output <folder> writes "
         "the export from them"
     )
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["config.yaml", "trained-step=2.ckpt"]  # no export, no partial
+    # no export folder, and no partial one
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["config.yaml", "trained-step=2.ckpt"]
     monkeypatch.setattr(PreTrainedModel, "save_pretrained", save_pretrained)
     main(["export", "--checkpoint", str(saved), "--output", str(export)])
     assert AutoModelForCausalLM.from_pretrained(export).config.num_hidden_layers == 1

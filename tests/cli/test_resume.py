@@ -87,7 +87,8 @@ def test_relaunching_resumes_the_newest_readable_checkpoint_and_continues_the_wa
     first_id = run_ids(run)
     fit(run, "--trainer.max_steps=3")
     skipped = [str(w.message) for w in recwarn if "Skipped checkpoint" in str(w.message)]
-    assert skipped == [f"Skipped checkpoint {checkpoints / 'last.ckpt'}: truncated or not a checkpoint (no complete zip archive)"]
+    reason = "truncated or not a checkpoint (no complete zip archive)"
+    assert skipped == [f"Skipped checkpoint {checkpoints / 'last.ckpt'}: {reason}"]
     assert f"Resuming from {checkpoints / 'epoch=0-step=2.ckpt'} (step 2)" in info_lines
     assert step_of(checkpoints / "last.ckpt") == step_of(checkpoints / "epoch=0-step=3.ckpt") == 3
     assert len(first_id) == 1 and run_ids(run) == first_id * 2  # one W&B run, continued under its id
@@ -118,13 +119,16 @@ def test_a_second_fit_on_a_folder_a_live_run_holds_refuses_naming_it(run, capsys
             fit(run, "--trainer.max_steps=3")
         assert exit_info.value.code == 2
         line = error_line(capsys)
-        assert line.startswith(f"lit-memtrain fit: error: {checkpoints} is held by a run that is still going (process {pid} on ")
+        assert line.startswith(
+            f"lit-memtrain fit: error: {checkpoints} is held by a run that is still going (process {pid} on "
+        )
         assert step_of(checkpoints / "last.ckpt") == 2  # nothing written
     finally:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
     fit(run, "--trainer.max_steps=3")  # the killed run's hold is stale: taken over
-    assert any(line.startswith(f"{checkpoints}: took over the hold of a run that ended without releasing it (process {pid} ") for line in info_lines)
+    took_over = f"{checkpoints}: took over the hold of a run that ended without releasing it (process {pid} "
+    assert any(line.startswith(took_over) for line in info_lines)
     assert step_of(checkpoints / "last.ckpt") == 3
 
 
@@ -136,7 +140,8 @@ def test_resuming_a_checkpoint_of_another_model_configuration_refuses_in_one_lin
     line = error_line(capsys)
     assert line.startswith(
         f"lit-memtrain fit: error: {run / 'checkpoints' / 'last.ckpt'} was made with another model configuration "
-        "(config_overrides: {'hidden_size': 32, 'intermediate_size': 64, 'num_hidden_layers': 1, 'head_dim': 16} there, "
+        "(config_overrides: {'hidden_size': 32, 'intermediate_size': 64, 'num_hidden_layers': 1, 'head_dim': 16} "
+        "there, "
     )
 
 
