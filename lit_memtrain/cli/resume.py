@@ -10,8 +10,8 @@ What is done instead: a ``ModelCheckpoint`` without ``dirpath`` saves in ``<firs
 default_root_dir>/checkpoints``, the same folder at every launch (:func:`stable_checkpoint_folders`); ``last``
 is the readable checkpoint there holding the highest step, a file that cannot be read being skipped with a line
 that names it (:func:`resume_point`); a checkpoint made with another model or data configuration is refused
-(:func:`check_same_configuration`); and the loggers continue the versions the checkpoint recorded, so that a W&B
-run continues under its id (:func:`continued_loggers`). The fit's first line says what it resumes from, or that it
+(:func:`check_same_configuration`); and a W&B logger continues the run the checkpoint recorded, under its id
+(:func:`continued_loggers`). The fit's first line says what it resumes from, or that it
 starts fresh and where it looked.
 """
 
@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import WandbLogger
 
 from lit_memtrain.objectives.checkpoint_files import (
     checkpoints_in,
@@ -136,12 +137,13 @@ def check_same_configuration(path: Path, checkpoint: dict[str, Any], module: Any
 
 
 def continued_loggers(configured: Any, loggers: list[Any], checkpoint: dict[str, Any]) -> list[Any] | None:
-    """The loggers rebuilt to continue the versions ``checkpoint`` recorded (a W&B run's id, a TensorBoard
-    ``version_N``), or None when none is to change.
+    """The loggers with each W&B logger rebuilt to continue the run ``checkpoint`` recorded (its id), or None when
+    none is to change.
 
-    ``configured`` is the parsed ``trainer.logger`` (one ``class_path``/``init_args`` or a list of them). A logger
-    is rebuilt when its class takes ``version``, the user gave it neither ``version`` nor ``id``, and the checkpoint
-    recorded a version for its place in the list.
+    ``configured`` is the parsed ``trainer.logger`` (one ``class_path``/``init_args`` or a list of them). A
+    ``WandbLogger`` is rebuilt when the user gave it neither ``version`` nor ``id`` and the checkpoint recorded one
+    for its place in the list. Other loggers start a version of their own: a ``CSVLogger`` given an existing
+    version deletes the metrics it holds.
     """
     saved = (checkpoint.get("lit_memtrain") or {}).get("logger_versions") or []
     specs = configured if isinstance(configured, list) else [configured]
@@ -151,7 +153,7 @@ def continued_loggers(configured: Any, loggers: list[Any], checkpoint: dict[str,
     for spec, logger, version in zip(specs, loggers, [*saved, *[None] * len(loggers)]):
         init_args = _init_args(spec)
         given_version = init_args is None or init_args.get("version") is not None or init_args.get("id") is not None
-        if version is None or given_version or "version" not in init_args:
+        if version is None or given_version or not isinstance(logger, WandbLogger):
             rebuilt.append(logger)
             continue
         module_name, _, class_name = spec["class_path"].rpartition(".")

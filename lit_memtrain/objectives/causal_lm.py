@@ -502,7 +502,7 @@ class CausalLMModule(LightningModule):
             "train_tokens_seen": self.train_tokens_seen,
             "first_train_loss": self.first_train_loss,
             "last_train_loss": self.last_train_loss,
-            # resumed, the loggers continue these (a W&B run its id): lit_memtrain.cli.resume
+            # resumed, a W&B logger continues its run (this id): lit_memtrain.cli.resume
             "logger_versions": [
                 logger.version if isinstance(logger.version, (str, int)) else None for logger in self.trainer.loggers
             ] if self._trainer else [],

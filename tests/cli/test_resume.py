@@ -14,10 +14,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 import wandb
+import yaml
+from lightning.pytorch import LightningDataModule
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_memtrain.callbacks.run_folder_lock import RunFolderLock
-from lit_memtrain.cli import main
+from lit_memtrain.cli import MemTrainCLI, main, names_model_class
+from lit_memtrain.cli.resume import stable_checkpoint_folders
+from lit_memtrain.datamodules.sft import SFTDataModule
+from lit_memtrain.objectives.causal_lm import CausalLMModule
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
@@ -54,6 +59,34 @@ def run_ids(folder: Path) -> list[str]:
     return sorted(path.name.rsplit("-", 1)[1] for path in (folder / "wandb").glob("offline-run-*"))
 
 
+FIT_CONFIGS = sorted(path.name for path in (ROOT / "configs").glob("*.yaml") if path.name != "sweep.yaml")
+
+
+@pytest.mark.parametrize("name", FIT_CONFIGS)
+def test_every_shipped_config_checkpoints_into_one_folder_whatever_its_logger_run(name, tmp_path, monkeypatch):
+    """With checkpointing on, each config's checkpoints go where the next launch looks: its ModelCheckpoint's
+    dirpath, else <the logger's save_dir>/checkpoints (before: <save_dir>/<project>/<W&B run id>/checkpoints)."""
+    monkeypatch.chdir(tmp_path)
+    config = yaml.safe_load((ROOT / "configs" / name).read_text())
+    by_class = names_model_class(["--config", str(ROOT / "configs" / name)])
+    model, data = ("--model.init_args.", "--data.init_args.") if by_class else ("--model.", "--data.")
+    args = [
+        "--config", str(ROOT / "configs" / name), "--trainer.enable_checkpointing=true", "--trainer.accelerator=cpu",
+        "--trainer.devices=1", "--trainer.strategy=auto", f"{model}model=null", f"{model}preset=tiny-qwen3",
+        f"{model}attn_implementation=sdpa", f"{data}tokenizer=lit-memtrain/embedded",
+        *([f"{model}generation_backend=transformers", f"{model}generation_options=null"] if "grpo" in name else []),
+    ]  # fmt: skip: an offline model, and no flash-attn or vLLM, which the configs' classes check for
+    cli = MemTrainCLI(
+        CausalLMModule, LightningDataModule if by_class else SFTDataModule, subclass_mode_model=by_class,
+        subclass_mode_data=by_class, args=args, run=False,
+    )  # fmt: skip
+    trainer = config["trainer"]
+    dirpaths = [c["init_args"]["dirpath"] for c in trainer.get("callbacks", []) if "dirpath" in c.get("init_args", {})]
+    save_dir = (trainer.get("logger") or {}).get("init_args", {}).get("save_dir", ".")
+    expected = dirpaths or [os.path.join(save_dir, "checkpoints")]
+    assert stable_checkpoint_folders(cli.trainer) == [Path(os.path.realpath(path)) for path in expected]
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> tuple[Path, Path]:
     """A run folder after a two-step fit (checkpoints at steps 1 and 2, and last.ckpt), and a copy of it."""
@@ -84,6 +117,7 @@ def test_relaunching_resumes_the_newest_readable_checkpoint_and_continues_the_wa
         "epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt", "last.ckpt",
     ]  # fmt: skip
     (checkpoints / "last.ckpt").write_bytes((checkpoints / "last.ckpt").read_bytes()[:1000])  # a kill mid-copy
+    (checkpoints / f".last.ckpt.partial-{2**22 + 1}").write_bytes(b"half")  # what a kill during a save leaves
     first_id = run_ids(run)
     fit(run, "--trainer.max_steps=3")
     skipped = [str(w.message) for w in recwarn if "Skipped checkpoint" in str(w.message)]
@@ -92,6 +126,17 @@ def test_relaunching_resumes_the_newest_readable_checkpoint_and_continues_the_wa
     assert f"Resuming from {checkpoints / 'epoch=0-step=2.ckpt'} (step 2)" in info_lines
     assert step_of(checkpoints / "last.ckpt") == step_of(checkpoints / "epoch=0-step=3.ckpt") == 3
     assert len(first_id) == 1 and run_ids(run) == first_id * 2  # one W&B run, continued under its id
+    assert not list(checkpoints.glob(".*.partial-*"))  # the orphan was removed at start
+
+
+def test_a_users_own_logger_resumes_from_the_same_folder_and_keeps_its_earlier_logs(tmp_path, info_lines):
+    csv = "--trainer.logger={class_path: lightning.pytorch.loggers.CSVLogger, init_args: {save_dir: %s}}" % tmp_path
+    fit(tmp_path, csv, "--trainer.max_steps=1", "--trainer.log_every_n_steps=1")
+    fit(tmp_path, csv, "--trainer.max_steps=2", "--trainer.log_every_n_steps=1")
+    assert f"Resuming from {tmp_path / 'checkpoints' / 'last.ckpt'} (step 1)" in info_lines
+    assert step_of(tmp_path / "checkpoints" / "last.ckpt") == 2
+    logs = sorted(path.parent.name for path in (tmp_path / "lightning_logs").glob("*/metrics.csv"))
+    assert logs == ["version_0", "version_1"]  # a CSVLogger given version_0 again would delete its metrics
 
 
 def test_a_second_fit_on_a_folder_a_live_run_holds_refuses_naming_it(run, capsys, info_lines):
