@@ -169,6 +169,7 @@ class MemTrainCLI(LightningCLI):
 
     def before_validate(self) -> None:
         self._before_run()
+        stable_checkpoint_folders(self.trainer)  # where ``validate --ckpt_path last`` looks: where fit saved
 
     def _before_run(self) -> None:
         """Check the data against the strategy before the strategy launches its ranks (each would fail alike), and
