@@ -4,6 +4,7 @@ a folder a live run holds is refused, and a checkpoint of another configuration 
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -44,6 +45,40 @@ def fit(folder: Path, *extra: str) -> None:
         ])  # fmt: skip
     finally:
         wandb.finish()  # a run still open would be taken up by the next fit's logger
+
+
+def plain_fit(folder: Path, *extra: str) -> list[str]:
+    """The arguments of :func:`fit` without W&B: checkpoints in ``folder/checkpoints``."""
+    return [
+        "fit", "--config", QUICKSTART, "--ckpt_path", "last", "--trainer.enable_checkpointing=true", EVERY_STEP,
+        "--trainer.logger=false", f"--trainer.default_root_dir={folder}", "--trainer.limit_val_batches=0",
+        "--trainer.enable_progress_bar=false", TINY, "--model.export_dir=null", "--data.batch_size=2",
+        "--data.val_size=0", *extra,
+    ]  # fmt: skip
+
+
+# A fit that SIGKILLs itself half way through writing its step-3 checkpoint: a preemption during a save.
+KILLED_DURING_A_SAVE = """
+import io, os, signal, sys
+import torch
+from lit_memtrain.cli import main
+
+save = torch.save
+
+
+def save_then_die_at_step_3(checkpoint, file, *args, **kwargs):
+    if isinstance(checkpoint, dict) and checkpoint.get("global_step") == 3:
+        buffer = io.BytesIO()
+        save(checkpoint, buffer)
+        file.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+        file.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return save(checkpoint, file, *args, **kwargs)
+
+
+torch.save = save_then_die_at_step_3
+main(sys.argv[1:])
+"""
 
 
 def error_line(capsys) -> str:
@@ -200,3 +235,42 @@ def test_an_unreadable_checkpoint_given_to_fit_is_named_in_one_line(run, capsys)
         f"lit-memtrain fit: error: --ckpt_path {broken} cannot be read: truncated or not a checkpoint (no complete "
         "zip archive). Give another checkpoint, or --ckpt_path last for the newest readable one."
     )
+
+
+def test_a_fit_killed_during_a_save_resumes_from_its_last_complete_checkpoint(tmp_path, preloaded_python, info_lines):
+    killed = preloaded_python.run("-c", KILLED_DURING_A_SAVE, *plain_fit(tmp_path, "--trainer.max_steps=4"))
+    assert killed.returncode != 0 and "train loss" not in killed.stdout
+    checkpoints = tmp_path / "checkpoints"
+    assert sorted(path.name for path in checkpoints.glob("*.ckpt")) == [
+        "epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt", "last.ckpt",
+    ]  # fmt: skip
+    (orphan,) = checkpoints.glob(".epoch=0-step=3.ckpt.partial-*")
+    main(plain_fit(tmp_path, "--trainer.max_steps=4"))
+    resumed = {f"Resuming from {checkpoints / name} (step 2)" for name in ("last.ckpt", "epoch=0-step=2.ckpt")}
+    assert resumed & set(info_lines)
+    assert step_of(checkpoints / "last.ckpt") == 4 and not orphan.exists()
+
+
+def test_a_save_whose_rename_fails_as_across_filesystems_stops_the_fit_and_loses_nothing(
+    tmp_path, monkeypatch, info_lines
+):
+    replace = os.replace
+
+    def cross_device_at_step_3(source, destination):  # what a rename into another filesystem does
+        if str(destination).endswith("step=3.ckpt"):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return replace(source, destination)
+
+    monkeypatch.setattr(os, "replace", cross_device_at_step_3)
+    checkpoints = tmp_path / "checkpoints"
+    step_3 = checkpoints / "epoch=0-step=3.ckpt"
+    with pytest.raises(OSError, match=rf"Could not write {step_3} \(Invalid cross-device link\); the file under that"):
+        main(plain_fit(tmp_path, "--trainer.max_steps=4"))
+    monkeypatch.undo()
+    assert sorted(path.name for path in checkpoints.iterdir() if path.suffix == ".ckpt" or "partial" in path.name) == [
+        "epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt", "last.ckpt",
+    ]  # fmt: skip
+    assert step_of(checkpoints / "last.ckpt") == 2
+    main(plain_fit(tmp_path, "--trainer.max_steps=4"))
+    assert f"Resuming from {checkpoints / 'last.ckpt'} (step 2)" in info_lines
+    assert step_of(checkpoints / "last.ckpt") == 4
