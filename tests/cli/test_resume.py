@@ -251,20 +251,41 @@ def test_a_fit_killed_during_a_save_resumes_from_its_last_complete_checkpoint(tm
     assert step_of(checkpoints / "last.ckpt") == 4 and not orphan.exists()
 
 
-def test_a_save_whose_rename_fails_as_across_filesystems_stops_the_fit_and_loses_nothing(
-    tmp_path, monkeypatch, info_lines
-):
+def _cross_device_at_step_3(monkeypatch) -> None:
+    """Renames into the step-3 checkpoint fail as a rename into another filesystem does."""
     replace = os.replace
 
-    def cross_device_at_step_3(source, destination):  # what a rename into another filesystem does
+    def cross_device(source, destination):
         if str(destination).endswith("step=3.ckpt"):
             raise OSError(errno.EXDEV, "Invalid cross-device link")
         return replace(source, destination)
 
-    monkeypatch.setattr(os, "replace", cross_device_at_step_3)
+    monkeypatch.setattr(os, "replace", cross_device)
+
+
+def _disk_full_at_step_3(monkeypatch) -> None:
+    """The disk fills half way through writing the step-3 checkpoint."""
+    save = torch.save
+
+    def disk_fills(checkpoint, file, *args, **kwargs):
+        if isinstance(checkpoint, dict) and checkpoint.get("global_step") == 3:
+            file.write(b"PK\x03\x04 half a checkpoint")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return save(checkpoint, file, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", disk_fills)
+
+
+@pytest.mark.parametrize(
+    ("fault", "reason"),
+    [(_cross_device_at_step_3, "Invalid cross-device link"), (_disk_full_at_step_3, "the disk is full")],
+    ids=["rename-across-filesystems", "disk-full"],
+)
+def test_a_save_that_fails_stops_the_fit_naming_it_and_loses_nothing(tmp_path, monkeypatch, info_lines, fault, reason):
     checkpoints = tmp_path / "checkpoints"
     step_3 = checkpoints / "epoch=0-step=3.ckpt"
-    with pytest.raises(OSError, match=rf"Could not write {step_3} \(Invalid cross-device link\); the file under that"):
+    fault(monkeypatch)
+    with pytest.raises(OSError, match=rf"Could not write {step_3} \({reason}\); the file under that name, if any, is"):
         main(plain_fit(tmp_path, "--trainer.max_steps=4"))
     monkeypatch.undo()
     assert sorted(path.name for path in checkpoints.iterdir() if path.suffix == ".ckpt" or "partial" in path.name) == [
