@@ -3,7 +3,7 @@
 Why: a read-only or full output folder otherwise shows only when it is written, after the training it was meant to
 keep: a traceback at the first checkpoint, or at the export once every step has run (with checkpointing off, as
 in the quickstart, the trained run is then lost). Each folder the fit writes (the checkpoints' folders, the
-loggers', the module's ``export_dir``) is made and written to, and each filesystem must have room for one
+loggers', the module's ``export_dir``; local ones) is made and written to, and each filesystem must have room for one
 checkpoint and one export as estimated from the model, before any step runs.
 
 The estimates: a checkpoint holds the saved parameters (only the trainable ones when the module saves adapter
@@ -52,14 +52,14 @@ class OutputPreflight(Callback):
         checkpoint, export = estimated_sizes(pl_module)
         needs: dict[Path, int] = {}
         for callback in trainer.checkpoint_callbacks:
-            if getattr(callback, "dirpath", None):
+            if _is_local(getattr(callback, "dirpath", None)):
                 needs[Path(callback.dirpath)] = checkpoint
         export_dir = (getattr(pl_module, "hparams", None) or {}).get("export_dir")
-        if export_dir:
+        if _is_local(export_dir):
             needs[Path(export_dir).parent] = needs.get(Path(export_dir).parent, 0) + export
         for logger in trainer.loggers:
             folder = logger.log_dir or logger.save_dir
-            if folder:
+            if _is_local(folder):
                 needs.setdefault(Path(folder), 0)
         by_filesystem: dict[int, list[tuple[Path, int]]] = defaultdict(list)
         for folder, need in needs.items():
@@ -90,6 +90,11 @@ def estimated_sizes(pl_module: LightningModule) -> tuple[int, int]:
             trainable_bytes += size
     saved = trainable_bytes if getattr(pl_module, "adapter_only_checkpoints", False) else total
     return saved + trainable * _ADAM_STATE_BYTES, total
+
+
+def _is_local(folder: object) -> bool:
+    """Whether ``folder`` is given and on this machine (not ``s3://`` and the like, which are not checked)."""
+    return bool(folder) and "://" not in str(folder)
 
 
 def _write_error(folder: Path) -> str | None:

@@ -9,7 +9,8 @@ kernel drops it when the process ends, however it ends, so the hold of a killed 
 the next fit takes it over (saying so, from the run's details the file still holds). Holding the folder also makes
 any temporary a killed save left there an orphan: they are removed
 (:func:`~lit_memtrain.objectives.checkpoint_files.remove_partials`). Only global rank 0 locks; every rank stops
-together. A filesystem without ``flock`` (some network mounts) is reported and not locked.
+together. A filesystem without ``flock`` (some network mounts) is reported and not locked; remote folders
+(``s3://``) are not locked.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class RunFolderLock(Callback):
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         refusal = None
         if trainer.is_global_zero:
-            folders = {Path(cb.dirpath) for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)}
+            dirpaths = [str(getattr(cb, "dirpath", None) or "") for cb in trainer.checkpoint_callbacks]
+            folders = {Path(dirpath) for dirpath in dirpaths if dirpath and "://" not in dirpath}  # local ones
             refusal = self._hold(sorted(folders))
         refusal = trainer.strategy.broadcast(refusal, src=0)
         if refusal:

@@ -165,7 +165,7 @@ class MemTrainCLI(LightningCLI):
             loggers = continued_loggers(configured, self.trainer.loggers, point.checkpoint)
             if loggers is not None:
                 self.trainer.loggers = loggers
-        section["ckpt_path"] = None if point.path is None else str(point.path)
+        section["ckpt_path"] = point.path
 
     def before_validate(self) -> None:
         self._before_run()

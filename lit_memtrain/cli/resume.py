@@ -47,50 +47,59 @@ DATA_SETTINGS = (
 
 
 class ResumePoint(NamedTuple):
-    """The checkpoint a fit resumes from (None: it starts fresh), its contents, and the lines that say so."""
+    """The checkpoint a fit resumes from (None: it starts fresh), its contents (None: left to Lightning), and the
+    lines that say so."""
 
-    path: Path | None
+    path: str | None
     checkpoint: dict[str, Any] | None
     lines: list[str]
     warnings: list[str]
 
 
-def stable_checkpoint_folders(trainer: Trainer) -> list[Path]:
+def stable_checkpoint_folders(trainer: Trainer) -> list[str]:
     """Give every ``ModelCheckpoint`` without ``dirpath`` the folder ``<save_dir>/checkpoints`` (the first logger's
     ``save_dir``, else the trainer's ``default_root_dir``); the folders of all of them."""
-    root = next((logger.save_dir for logger in trainer.loggers[:1] if logger.save_dir), trainer.default_root_dir)
+    root = str(next((logger.save_dir for logger in trainer.loggers[:1] if logger.save_dir), trainer.default_root_dir))
     folders = []
     for callback in trainer.checkpoint_callbacks:
         if isinstance(callback, ModelCheckpoint):
             if callback.dirpath is None:
-                callback.dirpath = os.path.realpath(os.path.join(root, "checkpoints"))
-            folders.append(Path(callback.dirpath))
+                local = not _is_remote(root)
+                callback.dirpath = os.path.realpath(os.path.join(root, "checkpoints")) if local else f"{root}/checkpoints"
+            folders.append(str(callback.dirpath))
     return folders
 
 
-def resume_point(ckpt_path: str | None, folders: list[Path]) -> ResumePoint:
+def _is_remote(path: str) -> bool:
+    return "://" in path
+
+
+def resume_point(ckpt_path: str | None, folders: list[str]) -> ResumePoint:
     """What ``fit(ckpt_path=...)`` resumes from: ``"last"`` is the readable checkpoint in ``folders`` holding the
-    highest step; a path must be a readable checkpoint.
+    highest step; a path must be a readable checkpoint. Remote folders and paths (``s3://``) are left to
+    Lightning, which resolves ``last`` there as the newest ``last*.ckpt``.
 
     Raises:
         ValueError: ``ckpt_path`` names a checkpoint that cannot be read (why, and what to do).
     """
-    where = ", ".join(map(str, folders)) or "no checkpoint folder (checkpointing is off)"
+    where = ", ".join(folders) or "no checkpoint folder (checkpointing is off)"
     if ckpt_path is None:
         if not folders:
             return ResumePoint(None, None, ["Starting fresh; checkpointing is off, so this fit cannot be resumed"], [])
         line = f"Starting fresh (no --ckpt_path); checkpoints go to {where}, which --ckpt_path last resumes"
         return ResumePoint(None, None, [line], [])
+    if _is_remote(str(ckpt_path)) or (ckpt_path == "last" and any(map(_is_remote, folders))):
+        return ResumePoint(ckpt_path, None, [f"Resuming from {ckpt_path} as Lightning finds it in {where}"], [])
     if ckpt_path != "last":
         checkpoint = readable_checkpoint(ckpt_path)
-        return ResumePoint(Path(ckpt_path), checkpoint, [_resuming(ckpt_path, checkpoint)], [])
+        return ResumePoint(ckpt_path, checkpoint, [_resuming(ckpt_path, checkpoint)], [])
     found = newest_readable(checkpoints_in(folders))
     warnings = [f"Skipped checkpoint {path}: {reason}" for path, reason in found.skipped]
     if found.path is None:
         seen = f" ({len(found.skipped)} unreadable)" if found.skipped else ""
         return ResumePoint(None, None, [f"Starting fresh: no checkpoint to resume{seen} in {where}"], warnings)
     checkpoint = read_checkpoint(found.path)
-    return ResumePoint(found.path, checkpoint, [_resuming(found.path, checkpoint)], warnings)
+    return ResumePoint(str(found.path), checkpoint, [_resuming(found.path, checkpoint)], warnings)
 
 
 def readable_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
@@ -114,7 +123,7 @@ def _resuming(path: str | Path, checkpoint: dict[str, Any]) -> str:
     return f"Resuming from {path} (step {checkpoint['global_step']})"
 
 
-def check_same_configuration(path: Path, checkpoint: dict[str, Any], module: Any, datamodule: Any) -> None:
+def check_same_configuration(path: str, checkpoint: dict[str, Any], module: Any, datamodule: Any) -> None:
     """Refuse to resume ``checkpoint`` into a module or datamodule whose defining settings differ from its own.
 
     Raises:

@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_memtrain.callbacks.run_folder_lock import RunFolderLock
 from lit_memtrain.cli import MemTrainCLI, main, names_model_class
-from lit_memtrain.cli.resume import stable_checkpoint_folders
+from lit_memtrain.cli.resume import resume_point, stable_checkpoint_folders
 from lit_memtrain.datamodules.sft import SFTDataModule
 from lit_memtrain.objectives.causal_lm import CausalLMModule
 
@@ -119,7 +119,7 @@ def test_every_shipped_config_checkpoints_into_one_folder_whatever_its_logger_ru
     dirpaths = [c["init_args"]["dirpath"] for c in trainer.get("callbacks", []) if "dirpath" in c.get("init_args", {})]
     save_dir = (trainer.get("logger") or {}).get("init_args", {}).get("save_dir", ".")
     expected = dirpaths or [os.path.join(save_dir, "checkpoints")]
-    assert stable_checkpoint_folders(cli.trainer) == [Path(os.path.realpath(path)) for path in expected]
+    assert stable_checkpoint_folders(cli.trainer) == [os.path.realpath(path) for path in expected]
 
 
 @pytest.fixture(scope="module")
@@ -295,3 +295,9 @@ def test_a_save_that_fails_stops_the_fit_naming_it_and_loses_nothing(tmp_path, m
     main(plain_fit(tmp_path, "--trainer.max_steps=4"))
     assert f"Resuming from {checkpoints / 'last.ckpt'} (step 2)" in info_lines
     assert step_of(checkpoints / "last.ckpt") == 4
+
+
+def test_a_remote_checkpoint_folder_is_left_to_lightnings_own_resolution():
+    point = resume_point("last", ["s3://bucket/run/checkpoints"])
+    assert (point.path, point.checkpoint) == ("last", None)
+    assert point.lines == ["Resuming from last as Lightning finds it in s3://bucket/run/checkpoints"]
