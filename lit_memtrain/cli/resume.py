@@ -64,8 +64,8 @@ def stable_checkpoint_folders(trainer: Trainer) -> list[str]:
     for callback in trainer.checkpoint_callbacks:
         if isinstance(callback, ModelCheckpoint):
             if callback.dirpath is None:
-                local = not _is_remote(root)
-                callback.dirpath = os.path.realpath(os.path.join(root, "checkpoints")) if local else f"{root}/checkpoints"
+                folder = f"{root.rstrip('/')}/checkpoints"
+                callback.dirpath = folder if _is_remote(root) else os.path.realpath(folder)
             folders.append(str(callback.dirpath))
     return folders
 
@@ -178,4 +178,5 @@ def _init_args(spec: Any) -> dict[str, Any] | None:
     if spec is None or isinstance(spec, bool) or "class_path" not in spec:
         return None
     init_args = spec.get("init_args")
-    return dict(init_args.as_dict() if hasattr(init_args, "as_dict") else init_args or {})
+    given = dict(init_args.as_dict() if hasattr(init_args, "as_dict") else init_args or {})
+    return {**given, **dict(spec.get("dict_kwargs") or {})}  # dict_kwargs: what a **kwargs of the class took

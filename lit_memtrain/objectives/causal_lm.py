@@ -437,6 +437,7 @@ class CausalLMModule(LightningModule):
         folders = [cb.dirpath for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
         folders += [logger.save_dir for logger in trainer.loggers if logger.save_dir]
         folders += [trainer.default_root_dir, tempfile.gettempdir()]
+        folders = [folder for folder in folders if "://" not in str(folder)]  # a local file, for the export to read
         path, failures = save_to_first_writable(checkpoint, f"trained-step={step}.ckpt", folders)
         if path is None:
             return f"the trained weights could not be saved either ({'; '.join(failures)})"
