@@ -65,6 +65,22 @@ class RunFolderLock(Callback):
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self.release()
 
+    @staticmethod
+    def refusal(folder: str | Path) -> str | None:
+        """What a fit is told when a live run holds ``folder`` (None when none does), without taking the folder:
+        ``lit-memtrain fit`` asks before it starts anything (a W&B run, the data), the callback holds it later."""
+        path = Path(folder) / LOCK_NAME
+        if not path.is_file():
+            return None
+        with open(path) as file:
+            try:
+                fcntl.flock(file, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return _refusal(Path(folder), file.read())
+            except OSError:  # no flock here: the callback warns
+                return None
+        return None
+
     def release(self) -> None:
         """Let the folders go, marking the hold as ended (a later fit sees no stale hold)."""
         for file in self._held:
@@ -81,13 +97,9 @@ class RunFolderLock(Callback):
                 fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 file.seek(0)
-                holder = _describe(file.read())
+                holder = file.read()
                 file.close()
-                return (
-                    f"{folder} is held by a run that is still going ({holder}); two fits in one folder mix their "
-                    "checkpoints. Wait for it to end, or give this fit another folder (ModelCheckpoint's dirpath, "
-                    "or the logger's save_dir / --trainer.default_root_dir)."
-                )
+                return _refusal(folder, holder)
             except OSError as error:
                 file.close()
                 rank_zero_warn(f"{folder} cannot be locked ({error.strerror}): nothing stops a second fit using it.")
@@ -106,6 +118,14 @@ class RunFolderLock(Callback):
             if removed:
                 rank_zero_info(f"{folder}: removed {len(removed)} partial file(s) that interrupted saves left")
         return None
+
+
+def _refusal(folder: Path, holder: str) -> str:
+    return (
+        f"{folder} is held by a run that is still going ({_describe(holder)}); two fits in one folder mix their "
+        "checkpoints. Wait for it to end, or give this fit another folder (ModelCheckpoint's dirpath, or the "
+        "logger's save_dir / --trainer.default_root_dir)."
+    )
 
 
 def _this_run() -> dict[str, Any]:

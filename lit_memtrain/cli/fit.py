@@ -154,7 +154,11 @@ class MemTrainCLI(LightningCLI):
         loggers continuing its run, and the one line saying so."""
         self._before_run()
         section = self.config_init[self.subcommand]
-        point = resume_point(section.get("ckpt_path"), stable_checkpoint_folders(self.trainer))
+        folders = stable_checkpoint_folders(self.trainer)
+        refusal = next(filter(None, map(RunFolderLock.refusal, (f for f in folders if "://" not in f))), None)
+        if refusal:  # said before a W&B run or the data start; RunFolderLock holds the folder once the fit starts
+            raise FileExistsError(refusal)
+        point = resume_point(section.get("ckpt_path"), folders)
         for line in point.warnings:
             rank_zero_warn(line)
         for line in point.lines:

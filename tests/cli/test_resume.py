@@ -202,7 +202,7 @@ def test_a_second_fit_on_a_folder_a_live_run_holds_refuses_naming_it(run, capsys
         assert line.startswith(
             f"lit-memtrain fit: error: {checkpoints} is held by a run that is still going (process {pid} on "
         )
-        assert step_of(checkpoints / "last.ckpt") == 2  # nothing written
+        assert step_of(checkpoints / "last.ckpt") == 2 and len(run_ids(run)) == 1  # nothing written, no W&B run
     finally:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
