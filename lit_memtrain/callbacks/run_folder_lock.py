@@ -6,7 +6,9 @@ a second one stops before its first step with one line naming the run that holds
 
 How: an advisory lock (``flock``) on ``.lit-memtrain-run.lock`` in the folder, held open while the fit runs. The
 kernel drops it when the process ends, however it ends, so the hold of a killed run is stale by construction and
-the next fit takes it over (saying so, from the run's details the file still holds). Holding the folder also makes
+the next fit takes it over (saying so, from the run's details the file still holds). Each fit also has an id, saved
+in its checkpoints and kept when it is resumed, which tells an earlier run's checkpoints left in the folder from
+this run's (:meth:`RunFolderLock.run_of`). Holding the folder also makes
 any temporary a killed save left there an orphan: they are removed
 (:func:`~lit_memtrain.objectives.checkpoint_files.remove_partials`). Only global rank 0 locks; every rank stops
 together. A filesystem without ``flock`` (some network mounts) is reported and not locked; remote folders
@@ -21,6 +23,7 @@ import json
 import os
 import socket
 import sys
+import uuid
 from pathlib import Path
 from typing import IO, Any
 
@@ -47,6 +50,19 @@ class RunFolderLock(Callback):
 
     def __init__(self) -> None:
         self._held: list[IO[str]] = []
+        self.run_id = uuid.uuid4().hex  # a resumed fit takes its checkpoint's (load_state_dict)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"run_id": self.run_id}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.run_id = state_dict.get("run_id", self.run_id)
+
+    @classmethod
+    def run_of(cls, checkpoint: dict[str, Any]) -> str | None:
+        """The id of the fit that saved ``checkpoint`` (a fresh fit takes a new one, a resumed fit keeps it; None for
+        a checkpoint saved without this callback): ``--ckpt_path last`` resumes the run that saved last."""
+        return (checkpoint.get("callbacks") or {}).get(cls.__qualname__, {}).get("run_id")
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         refusal = None

@@ -8,7 +8,8 @@ an older state than the step checkpoint saved just before.
 
 What is done instead: a ``ModelCheckpoint`` without ``dirpath`` saves in ``<first logger's save_dir, else
 default_root_dir>/checkpoints``, the same folder at every launch (:func:`stable_checkpoint_folders`); ``last``
-is the readable checkpoint there holding the highest step, a file that cannot be read being skipped with a line
+is the readable checkpoint there holding the highest step, of the run that saved last (an earlier run's
+checkpoints left in the folder are not taken for this one's), a file that cannot be read being skipped with a line
 that names it (:func:`resume_point`); a checkpoint made with another model or data configuration is refused
 (:func:`check_same_configuration`); and a W&B logger continues the run the checkpoint recorded, under its id
 (:func:`continued_loggers`). The fit's first line says what it resumes from, or that it
@@ -26,6 +27,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
 
+from lit_memtrain.callbacks.run_folder_lock import RunFolderLock
 from lit_memtrain.objectives.checkpoint_files import (
     checkpoints_in,
     newest_readable,
@@ -93,7 +95,7 @@ def resume_point(ckpt_path: str | None, folders: list[str]) -> ResumePoint:
     if ckpt_path != "last":
         checkpoint = readable_checkpoint(ckpt_path)
         return ResumePoint(ckpt_path, checkpoint, [_resuming(ckpt_path, checkpoint)], [])
-    found = newest_readable(checkpoints_in(folders))
+    found = newest_readable(checkpoints_in(folders), RunFolderLock.run_of)
     warnings = [f"Skipped checkpoint {path}: {reason}" for path, reason in found.skipped]
     if found.path is None:
         seen = f" ({len(found.skipped)} unreadable)" if found.skipped else ""

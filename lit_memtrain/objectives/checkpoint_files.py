@@ -133,20 +133,29 @@ def checkpoints_in(folders: Iterable[str | Path]) -> list[Path]:
     )
 
 
-def newest_readable(candidates: Iterable[str | Path]) -> Found:
-    """The readable checkpoint among ``candidates`` that holds the highest step (the newest file among equals)."""
-    best: tuple[int, float, Path] | None = None
+def newest_readable(
+    candidates: Iterable[str | Path], run_of: Callable[[dict[str, Any]], Any] = lambda checkpoint: None
+) -> Found:
+    """The readable checkpoint among ``candidates`` that holds the highest step (the newest file among equals), of
+    the run that wrote the newest readable file when ``run_of`` tells the checkpoints' runs apart.
+
+    Why by run: a fit started afresh in a folder that holds an earlier run's checkpoints writes beside them
+    (``last-v1.ckpt``), at lower steps; the highest step there is the earlier run's.
+    """
+    readable: list[tuple[Any, int, float, Path]] = []
     skipped = []
     for path in sorted({Path(candidate) for candidate in candidates}):
         try:
-            step = int(read_checkpoint(path)["global_step"])
+            checkpoint = read_checkpoint(path)
         except Exception as error:  # noqa: BLE001 -- any reason to be unreadable skips the file, and is reported
             skipped.append((path, unreadable_reason(error)))
             continue
-        key = (step, path.stat().st_mtime, path)
-        if best is None or key[:2] > best[:2]:
-            best = key
-    return Found(best[2] if best else None, best[0] if best else 0, skipped)
+        readable.append((run_of(checkpoint), int(checkpoint["global_step"]), path.stat().st_mtime, path))
+    if not readable:
+        return Found(None, 0, skipped)
+    latest_run = max(readable, key=lambda entry: entry[2])[0]
+    _, step, _, path = max((entry for entry in readable if entry[0] == latest_run), key=lambda entry: entry[1:3])
+    return Found(path, step, skipped)
 
 
 def unreadable_reason(error: BaseException) -> str:

@@ -301,3 +301,15 @@ def test_a_remote_checkpoint_folder_is_left_to_lightnings_own_resolution():
     point = resume_point("last", ["s3://bucket/run/checkpoints"])
     assert (point.path, point.checkpoint) == ("last", None)
     assert point.lines == ["Resuming from last as Lightning finds it in s3://bucket/run/checkpoints"]
+
+
+def test_a_fresh_fit_in_a_folder_of_an_earlier_run_resumes_its_own_checkpoints_not_the_earlier_runs(run, info_lines):
+    checkpoints = run / "checkpoints"
+    fit(run, "--ckpt_path=null", "--trainer.max_steps=1")  # starts over beside the earlier run's steps 1 and 2
+    assert f"Starting fresh (no --ckpt_path); checkpoints go to {checkpoints}, which --ckpt_path last resumes" in (
+        info_lines
+    )
+    own = {checkpoints / "last-v1.ckpt", checkpoints / "epoch=0-step=1-v1.ckpt"}
+    assert own <= set(checkpoints.glob("*.ckpt"))
+    fit(run, "--trainer.max_steps=2")
+    assert {f"Resuming from {path} (step 1)" for path in own} & set(info_lines)  # not the earlier run's step 2

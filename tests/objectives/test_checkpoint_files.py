@@ -112,3 +112,13 @@ def test_resume_takes_the_highest_readable_step_and_names_what_it_skipped(tmp_pa
         "epoch=0-step=6.ckpt": "truncated or not a checkpoint (no complete zip archive)",
         "notes.ckpt": "truncated or not a checkpoint (no complete zip archive)",
     }
+
+
+def test_resume_takes_the_run_that_saved_last_over_an_earlier_runs_higher_steps(tmp_path):
+    io = AtomicCheckpointIO()
+    for name, step, run in [("epoch=0-step=9.ckpt", 9, "earlier"), ("last-v1.ckpt", 3, "latest")]:
+        io.save_checkpoint({**_checkpoint(step), "run": run}, tmp_path / name)
+        os.utime(tmp_path / name, (step, {"earlier": 1000, "latest": 2000}[run]))
+    found = newest_readable(checkpoints_in([tmp_path]), run_of=lambda checkpoint: checkpoint["run"])
+    assert (found.path.name, found.step) == ("last-v1.ckpt", 3)
+    assert newest_readable(checkpoints_in([tmp_path])).step == 9  # runs not told apart: the highest step
