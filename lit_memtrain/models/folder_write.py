@@ -14,9 +14,9 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["write_folder"]
+__all__ = ["PARTIAL_MARK", "replace_folder", "write_folder"]
 
-_PARTIAL_MARK = ".partial-"
+PARTIAL_MARK = ".partial-"  # a folder written beside ``<name>`` is ``.<name>.partial-<pid>``
 
 
 def write_folder(directory: str | Path, write: Callable[[Path], object]) -> Path:
@@ -27,16 +27,26 @@ def write_folder(directory: str | Path, write: Callable[[Path], object]) -> Path
     """
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
-    for orphan in directory.parent.glob(f".{directory.name}{_PARTIAL_MARK}*"):
+    for orphan in directory.parent.glob(f".{directory.name}{PARTIAL_MARK}*"):
         shutil.rmtree(orphan, ignore_errors=True)
-    partial = directory.with_name(f".{directory.name}{_PARTIAL_MARK}{os.getpid()}")
+    partial = directory.with_name(f".{directory.name}{PARTIAL_MARK}{os.getpid()}")
     try:
         write(partial)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
+    return replace_folder(partial, directory)
+
+
+def replace_folder(partial: str | Path, directory: str | Path) -> Path:
+    """Put the complete folder ``partial`` in the place of ``directory`` (what was there is removed after).
+
+    A kill between the two renames leaves no ``directory``, and the previous one under a partial name: never a
+    folder that looks complete and is not.
+    """
+    partial, directory = Path(partial), Path(directory)
     if directory.exists():
-        previous = directory.with_name(f".{directory.name}{_PARTIAL_MARK}{os.getpid()}-previous")
+        previous = directory.with_name(f".{directory.name}{PARTIAL_MARK}{os.getpid()}-previous")
         os.replace(directory, previous)
         os.replace(partial, directory)
         shutil.rmtree(previous, ignore_errors=True)

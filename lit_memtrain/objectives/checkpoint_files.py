@@ -16,18 +16,20 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, Any, NamedTuple
 
 import torch
 
+from lit_memtrain.models.folder_write import PARTIAL_MARK
+
 __all__ = [
     "Found", "checkpoints_in", "is_partial", "newest_readable", "read_checkpoint", "remove_partials",
     "save_to_first_writable", "unreadable_reason", "write_beside",
 ]  # fmt: skip
 
-PARTIAL_MARK = ".partial-"
 _DISTRIBUTED_FILES = (".metadata", "meta.pt")  # what a distributed checkpoint's folder holds once complete
 
 
@@ -95,9 +97,12 @@ def remove_partials(folder: str | Path) -> list[Path]:
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    removed = [path for path in folder.iterdir() if is_partial(path) and path.is_file()]
+    removed = [path for path in folder.iterdir() if is_partial(path)]
     for path in removed:
-        path.unlink(missing_ok=True)
+        if path.is_dir():  # a distributed checkpoint's folder (FSDP2Strategy writes it beside, then renames)
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
     return removed
 
 

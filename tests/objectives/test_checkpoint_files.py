@@ -122,3 +122,21 @@ def test_resume_takes_the_run_that_saved_last_over_an_earlier_runs_higher_steps(
     found = newest_readable(checkpoints_in([tmp_path]), run_of=lambda checkpoint: checkpoint["run"])
     assert (found.path.name, found.step) == ("last-v1.ckpt", 3)
     assert newest_readable(checkpoints_in([tmp_path])).step == 9  # runs not told apart: the highest step
+
+
+def test_a_distributed_checkpoint_counts_once_complete_and_its_interrupted_write_is_removed(tmp_path):
+    complete = tmp_path / "epoch=0-step=4.ckpt"  # FSDP2Strategy's folder of shards, renamed into place when complete
+    complete.mkdir()
+    (complete / ".metadata").write_bytes(b"shards index")
+    torch.save({"global_step": 4}, complete / "meta.pt")
+    incomplete = tmp_path / "epoch=0-step=6.ckpt"  # shards without the index written last: not a checkpoint yet
+    incomplete.mkdir()
+    torch.save({"global_step": 6}, incomplete / "meta.pt")
+    interrupted = tmp_path / f".epoch=0-step=8.ckpt.partial-{2**22 + 1}"
+    interrupted.mkdir()
+    (interrupted / "__0_0.distcp").write_bytes(b"half a shard")
+    assert checkpoints_in([tmp_path]) == [complete, incomplete]
+    found = newest_readable(checkpoints_in([tmp_path]))
+    skipped = [(incomplete, "an incomplete distributed checkpoint (no .metadata)")]
+    assert (found.path, found.step, found.skipped) == (complete, 4, skipped)
+    assert remove_partials(tmp_path) == [interrupted] and not interrupted.exists()
