@@ -290,7 +290,6 @@ def test_truncation_dropping_more_than_a_tenth_of_the_tokens_warns_naming_the_op
     share = 100 * counts.truncated_tokens / counts.tokens
     assert share > 80 and message == (
         f"train: {share:.1f}% of the tokens ({counts.truncated_tokens:,} of {counts.tokens:,}) are cut past "
-        "max_length=16 and never trained on. Keep them with a larger --data.max_length (lit-memtrain lengths "
-        "recommends one), or with --data.packing=true --data.packing_strategy=bfd_split (long examples split into "
-        "chunks that all train)."
+        "max_length=16. Keep them with a larger --data.max_length (lit-memtrain lengths recommends one), or "
+        "--data.packing=true --data.packing_strategy=bfd_split (long examples split into chunks that all train)."
     )
