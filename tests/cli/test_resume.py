@@ -212,17 +212,27 @@ def test_a_second_fit_on_a_folder_a_live_run_holds_refuses_naming_it(run, capsys
     assert step_of(checkpoints / "last.ckpt") == 3
 
 
-def test_resuming_a_checkpoint_of_another_model_configuration_refuses_in_one_line(run, capsys):
-    other = "--model.config_overrides={hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, head_dim: 16}"
+@pytest.mark.parametrize(
+    ("other", "difference"),
+    [
+        (
+            "--model.config_overrides={hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, head_dim: 16}",
+            "model configuration (config_overrides: {'hidden_size': 32, 'intermediate_size': 64, 'num_hidden_layers': "
+            "1, 'head_dim': 16} there, {'hidden_size': 32, 'intermediate_size': 64, 'num_hidden_layers': 2, "
+            "'head_dim': 16} now); resume it with the same model settings",
+        ),
+        ("--data.max_length=32", "data configuration (max_length: 64 there, 32 now); resume it with the same data"),
+    ],
+    ids=["model", "data"],
+)
+def test_resuming_a_checkpoint_of_another_configuration_refuses_in_one_line(run, capsys, other, difference):
     with pytest.raises(SystemExit) as exit_info:
         fit(run, "--trainer.max_steps=3", other)
     assert exit_info.value.code == 2
-    line = error_line(capsys)
-    assert line.startswith(
-        f"lit-memtrain fit: error: {run / 'checkpoints' / 'last.ckpt'} was made with another model configuration "
-        "(config_overrides: {'hidden_size': 32, 'intermediate_size': 64, 'num_hidden_layers': 1, 'head_dim': 16} "
-        "there, "
+    assert error_line(capsys).startswith(
+        f"lit-memtrain fit: error: {run / 'checkpoints' / 'last.ckpt'} was made with another {difference}"
     )
+    assert step_of(run / "checkpoints" / "last.ckpt") == 2
 
 
 def test_an_unreadable_checkpoint_given_to_fit_is_named_in_one_line(run, capsys):
