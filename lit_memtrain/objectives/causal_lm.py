@@ -416,10 +416,10 @@ class CausalLMModule(LightningModule):
         if self.hparams.export_dir and (self.trainer.is_global_zero or is_sharded(self.model)):
             try:
                 path = self.export(self.hparams.export_dir)
-            except OSError as error:
-                raise OSError(
-                    error.errno, f"The export to {self.hparams.export_dir} failed ({error}); {self._keep_trained()}"
-                ) from error
+            except Exception as error:
+                message = f"The export to {self.hparams.export_dir} failed ({error}); {self._keep_trained()}"
+                kept = OSError(error.errno, message) if isinstance(error, OSError) else RuntimeError(message)
+                raise kept from error
             self.print(f"exported Hugging Face model to {path}")
 
     def _keep_trained(self) -> str:
