@@ -91,7 +91,9 @@ def step_of(path: Path) -> int:
 
 
 def run_ids(folder: Path) -> list[str]:
-    return sorted(path.name.rsplit("-", 1)[1] for path in (folder / "wandb").glob("offline-run-*"))
+    """The id of each W&B run the folder holds, as its data file names it (the folder of a run resumed in the same
+    second as the first is named ``offline-run-<time>-<id>-1``)."""
+    return sorted(path.stem.removeprefix("run-") for path in (folder / "wandb").glob("offline-run-*/run-*.wandb"))
 
 
 FIT_CONFIGS = sorted(path.name for path in (ROOT / "configs").glob("*.yaml") if path.name != "sweep.yaml")
