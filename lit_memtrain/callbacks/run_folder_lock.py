@@ -6,7 +6,7 @@ a second one stops before its first step with one line naming the run that holds
 
 How: an advisory lock (``flock``) on ``.lit-memtrain-run.lock`` in the folder, held open while the fit runs. The
 kernel drops it when the process ends, however it ends, so the hold of a killed run is stale by construction and
-the next fit takes it over (saying so, from the run's details the file still holds). Each fit also has an id, saved
+the next fit takes it over (saying so, from the run's details the file still holds); a fit that ends removes it. Each fit also has an id, saved
 in its checkpoints and kept when it is resumed, which tells an earlier run's checkpoints left in the folder from
 this run's (:meth:`RunFolderLock.run_of`). Holding the folder also makes
 any temporary a killed save left there an orphan: they are removed
@@ -98,10 +98,11 @@ class RunFolderLock(Callback):
         return None
 
     def release(self) -> None:
-        """Let the folders go, marking the hold as ended (a later fit sees no stale hold)."""
+        """Let the folders go: the lock file is removed while still held (a fit that opened it just before is
+        refused, one that opens the name after makes a new one), then closed, which drops the flock."""
         for file in self._held:
-            file.truncate(0)
-            file.close()  # closing drops the flock
+            Path(file.name).unlink(missing_ok=True)
+            file.close()
         self._held = []
 
     def _hold(self, folders: list[Path]) -> str | None:

@@ -31,7 +31,7 @@ def test_a_second_holder_is_refused_naming_the_first_until_it_releases(tmp_path)
         second.on_fit_start(_trainer(tmp_path), None)
     assert RunFolderLock.refusal(tmp_path).startswith(f"{tmp_path} is held by a run that is still going")
     first.on_fit_end(None, None)
-    assert RunFolderLock.refusal(tmp_path) is None
+    assert RunFolderLock.refusal(tmp_path) is None and not (tmp_path / LOCK_NAME).exists()  # ended: nothing left
     second.on_fit_start(_trainer(tmp_path), None)
     second.on_exception(None, None, RuntimeError("a crash releases it too"))
     assert RunFolderLock.refusal(tmp_path) is None
