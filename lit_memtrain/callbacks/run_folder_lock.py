@@ -4,15 +4,14 @@ Why: two fits writing into one folder interleave their files (``last.ckpt`` from
 other), and resuming one of them then restores the other's weights without a word. The first fit holds the folder;
 a second one stops before its first step with one line naming the run that holds it.
 
-How: an advisory lock (``flock``) on ``.lit-memtrain-run.lock`` in the folder, held open while the fit runs. The
-kernel drops it when the process ends, however it ends, so the hold of a killed run is stale by construction and
-the next fit takes it over (saying so, from the run's details the file still holds); a fit that ends removes it. Each fit also has an id, saved
-in its checkpoints and kept when it is resumed, which tells an earlier run's checkpoints left in the folder from
-this run's (:meth:`RunFolderLock.run_of`). Holding the folder also makes
-any temporary a killed save left there an orphan: they are removed
-(:func:`~lit_memtrain.objectives.checkpoint_files.remove_partials`). Only global rank 0 locks; every rank stops
-together. A filesystem without ``flock`` (some network mounts) is reported and not locked; remote folders
-(``s3://``) are not locked.
+How: an advisory lock (``flock``) on ``.lit-memtrain-run.lock`` in the folder, held open while the fit runs and
+removed when it ends. The kernel drops the lock when the process ends, however it ends, so the hold of a killed run
+is stale by construction and the next fit takes it over (saying so, from the run's details the file still holds).
+Holding the folder also makes any temporary a killed save left there an orphan: they are removed
+(:func:`~lit_memtrain.objectives.checkpoint_files.remove_partials`). Each fit also has an id, saved in its
+checkpoints and kept when it is resumed, which tells an earlier run's checkpoints left in the folder from this
+run's (:meth:`RunFolderLock.run_of`). Only global rank 0 locks; every rank stops together. A filesystem without
+``flock`` (some network mounts) is reported and not locked; remote folders (``s3://``) are not locked.
 """
 
 from __future__ import annotations
