@@ -1,4 +1,4 @@
-"""Lightning callbacks, one memory technique or diagnostic each.
+"""Lightning callbacks, one memory technique or diagnostic each, and the guards of a fit's outputs.
 
 The technique callbacks exported here describe themselves to the memory planner
 (:class:`~lit_memtrain.callbacks.technique_description.PlannedTechnique`), which finds them in this list.
@@ -12,7 +12,9 @@ from lit_memtrain.callbacks.gradient_checkpointing import GradientCheckpointing
 from lit_memtrain.callbacks.memory_bounded_throughput import MemoryBoundedThroughput
 from lit_memtrain.callbacks.memory_monitor import MemoryMonitor
 from lit_memtrain.callbacks.memory_plan_check import MemoryPlanCheck
+from lit_memtrain.callbacks.output_preflight import OutputPreflight
 from lit_memtrain.callbacks.positional_loss import PositionalLoss
+from lit_memtrain.callbacks.run_folder_lock import RunFolderLock
 from lit_memtrain.callbacks.technique_description import (
     CompareRow,
     PlannedTechnique,
@@ -31,8 +33,10 @@ __all__ = [
     "MemoryBoundedThroughput",
     "MemoryMonitor",
     "MemoryPlanCheck",
+    "OutputPreflight",
     "PlannedTechnique",
     "PositionalLoss",
+    "RunFolderLock",
     "Suggestion",
     "TechniqueDescription",
     "TiledMLP",

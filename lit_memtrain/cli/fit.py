@@ -25,17 +25,28 @@ import yaml
 from lightning.pytorch import LightningDataModule, Trainer
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, LRSchedulerTypeTuple
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.strategies import Strategy
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
+from lit_memtrain.callbacks.output_preflight import OutputPreflight
+from lit_memtrain.callbacks.run_folder_lock import RunFolderLock
 from lit_memtrain.cli.errors import RunStarted, one_line_errors
 from lit_memtrain.cli.gguf_tokenizer import use_gguf_tokenizer
 from lit_memtrain.cli.library_noise import quiet_loggers
 from lit_memtrain.cli.model_choice import replace_earlier_choices
 from lit_memtrain.cli.parse_errors import explain_parse_error, parser_keys
 from lit_memtrain.cli.progress import StepProgressBar
+from lit_memtrain.cli.resume import (
+    check_same_configuration,
+    continued_loggers,
+    readable_checkpoint,
+    resume_point,
+    stable_checkpoint_folders,
+)
 from lit_memtrain.datamodules.sft import SFTDataModule
+from lit_memtrain.objectives.atomic_checkpoint_io import AtomicCheckpointIO
 from lit_memtrain.objectives.causal_lm import CausalLMModule
 
 __all__ = ["FIT_SUBCOMMANDS", "MemTrainCLI", "names_model_class", "run_fit"]
@@ -111,6 +122,9 @@ class MemTrainCLI(LightningCLI):
             raise ArgumentError(None, explain_parse_error(str(error), parser_keys(*parsers))) from error
         # A strategy's import path alone is the class, as the plan reads it (_strategy_class says why).
         section = self.config[self.config.subcommand] if self.config.get("subcommand") else self.config
+        ckpt_path = section.get("ckpt_path")
+        if ckpt_path and Path(ckpt_path).exists():  # LightningCLI reads it next, and would end in a traceback
+            readable_checkpoint(ckpt_path)
         strategy = section.get("trainer.strategy")
         if isinstance(strategy, str) and _strategy_class(strategy) is not None:
             section["trainer.strategy"] = Namespace(class_path=strategy, init_args=Namespace())
@@ -137,13 +151,37 @@ class MemTrainCLI(LightningCLI):
         wants_bar = config.get("enable_progress_bar") is not False
         if "callbacks" not in kwargs and wants_bar and not any(isinstance(c, ProgressBar) for c in given):
             kwargs["callbacks"] = [*_as_list(config.get("callbacks")), StepProgressBar()]
-        return super().instantiate_trainer(**kwargs)
+        trainer = super().instantiate_trainer(**kwargs)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default; a user's own is kept
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        return trainer
 
     def before_fit(self) -> None:
+        """Prepare the run (:meth:`_before_run`) and settle what it resumes from (:mod:`lit_memtrain.cli.resume`):
+        the checkpoint ``--ckpt_path`` (``last``: the newest readable one in the stable checkpoint folder), the
+        loggers continuing its run, and the one line saying so."""
         self._before_run()
+        section = self.config_init[self.subcommand]
+        folders = stable_checkpoint_folders(self.trainer)
+        refusal = next(filter(None, map(RunFolderLock.refusal, (f for f in folders if "://" not in f))), None)
+        if refusal:  # said before a W&B run or the data start; RunFolderLock holds the folder once the fit starts
+            raise FileExistsError(refusal)
+        point = resume_point(section.get("ckpt_path"), folders)
+        for line in point.warnings:
+            rank_zero_warn(line)
+        for line in point.lines:
+            rank_zero_info(line)
+        if point.checkpoint is not None:
+            check_same_configuration(point.path, point.checkpoint, self.model, self.datamodule)
+            configured = self.config[self.subcommand].get("trainer.logger")
+            loggers = continued_loggers(configured, self.trainer.loggers, point.checkpoint)
+            if loggers is not None:
+                self.trainer.loggers = loggers
+        section["ckpt_path"] = point.path
 
     def before_validate(self) -> None:
         self._before_run()
+        stable_checkpoint_folders(self.trainer)  # where ``validate --ckpt_path last`` looks: where fit saved
 
     def _before_run(self) -> None:
         """Check the data against the strategy before the strategy launches its ranks (each would fail alike), and
@@ -189,7 +227,7 @@ def run_fit(argv: list[str]) -> None:
             subclass_mode_model=by_class_path,
             subclass_mode_data=by_class_path,
             save_config_kwargs={"overwrite": True},
-            trainer_defaults={"callbacks": [run]},
+            trainer_defaults={"callbacks": [run, RunFolderLock(), OutputPreflight()]},
             parser_kwargs={"prog": "lit-memtrain", **parser_kwargs, **dict.fromkeys(FIT_SUBCOMMANDS, parser_kwargs)},
             args=argv,
         )

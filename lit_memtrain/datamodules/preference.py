@@ -41,7 +41,7 @@ from lit_memtrain.datamodules.preference_tokenize import (
 )
 from lit_memtrain.datamodules.sources import RawData
 from lit_memtrain.datamodules.splits import check_validation_args, load_splits
-from lit_memtrain.datamodules.tokenize import TokenCounts, tokenize_located
+from lit_memtrain.datamodules.tokenize import TokenCounts, tokenize_located, truncation_warning
 from lit_memtrain.datamodules.tokenized_splits import TokenizedSplitsDataModule
 from lit_memtrain.datamodules.tokenizer import load_tokenizer
 
@@ -209,6 +209,12 @@ class PreferenceDataModule(TokenizedSplitsDataModule):
                 "or set max_prompt_length (with prompt_truncation) to cut the prompts."
             )
         rank_zero_info(f"{name}: {counts.describe(self.max_length)} (pairs; tokens of both sequences).")
+        warning = truncation_warning(
+            counts.truncated_tokens, counts.tokens, name, f"max_length={self.max_length}",
+            "a larger --data.max_length (lit-memtrain lengths profiles the pairs' sequences)",
+        )  # fmt: skip
+        if warning:
+            rank_zero_warn(warning)
         kept_columns = [c for c in _KEPT_COLUMNS if c in tokenized.column_names]
         if counts.dropped_examples:
             tokenized = tokenized.select(np.flatnonzero(fits))

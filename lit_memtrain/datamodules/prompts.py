@@ -16,14 +16,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_memtrain.datamodules.batch import SCORED, scored_column
 from lit_memtrain.datamodules.embedded import EMBEDDED, embedded_prompt_path
 from lit_memtrain.datamodules.prompt_tokenize import PromptTruncation, detect_prompt_format, tokenize_prompt
 from lit_memtrain.datamodules.sources import RawData
 from lit_memtrain.datamodules.splits import check_validation_args, load_splits
-from lit_memtrain.datamodules.tokenize import tokenize_located
+from lit_memtrain.datamodules.tokenize import tokenize_located, truncation_warning
 from lit_memtrain.datamodules.tokenized_splits import TokenizedSplitsDataModule
 from lit_memtrain.datamodules.tokenizer import load_tokenizer
 
@@ -190,6 +190,12 @@ class PromptDataModule(TokenizedSplitsDataModule):
             truncated_tokens=int((read - kept).sum()),
         )  # fmt: skip
         rank_zero_info(f"{name}: {counts.describe(self.max_prompt_length, self.prompt_truncation)}.")
+        warning = truncation_warning(
+            counts.truncated_tokens, counts.tokens, f"{name} prompts", f"max_prompt_length={self.max_prompt_length}",
+            "a larger --data.max_prompt_length, or none (max_prompt_length: null)",
+        )  # fmt: skip
+        if warning:
+            rank_zero_warn(warning)
         self.reward_columns = columns
         return tokenized.select_columns(["prompt", "prompt_ids", *columns])
 

@@ -41,6 +41,7 @@ from lit_memtrain.datamodules.tokenize import (
     detect_format,
     tokenize_example,
     tokenize_located,
+    truncation_warning,
 )
 from lit_memtrain.datamodules.tokenizer import load_tokenizer
 from lit_memtrain.datamodules.validation_shares import StreamShares
@@ -306,6 +307,13 @@ class SFTDataModule(ResumableDataModule):
                 "max_length, or check the loss masks (completion_only_loss / assistant_only_loss) against your columns."
             )
         rank_zero_info(f"{name}: {counts.describe(self.max_length)}.")
+        warning = truncation_warning(
+            counts.truncated_tokens, counts.tokens, name, f"max_length={self.max_length}",
+            "a larger --data.max_length (lit-memtrain lengths recommends one), or --data.packing=true "
+            "--data.packing_strategy=bfd_split (long examples split into chunks that all train)",
+        )  # fmt: skip
+        if warning:
+            rank_zero_warn(warning)
         return tokenized.filter(lambda n: n > 0, input_columns="num_trainable", num_proc=self.num_proc)
 
     def _prepare(self) -> "tuple[Dataset, Dataset | None]":

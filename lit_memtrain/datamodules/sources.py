@@ -85,6 +85,15 @@ def _is_json_document(path: str) -> bool:
     return False
 
 
+def _is_blank(path: str) -> bool:
+    """Whether a file holds nothing but white space (read up to its first other byte)."""
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
 def find_invalid_json(path: str) -> str | None:
     """``"path:line:column: <reason>"`` for the first line of a JSON-lines file (or a JSON file) that does not
     parse, or None when the file is valid."""
@@ -177,6 +186,11 @@ def load_raw_dataset(
         return RawData(dataset, {})
     dataset = named_dataset_file(dataset)
     files = _local_files(dataset, data_files)
+    for path in (path for split_files in files.values() for path in split_files if _is_blank(path)):
+        raise ValueError(
+            f"{path} is empty: it holds no examples. Give a file with one example per line (JSON lines), or "
+            "remove it from data_files."
+        )
     path = Path(embedded_dataset_path() if dataset == EMBEDDED else dataset)
     missing = _missing_file(dataset)
     if missing is not None and not _hub_shaped(dataset):

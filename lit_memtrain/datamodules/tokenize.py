@@ -68,6 +68,18 @@ class TokenCounts:
         )
 
 
+def truncation_warning(truncated: int, tokens: int, name: str, limit: str, keep: str) -> str | None:
+    """A warning when truncation at ``limit`` (``"max_length=64"``) cut more than a tenth of ``name``'s ``tokens``,
+    naming the options that ``keep`` them; None below a tenth. Why a warning: an info line among the start-up lines
+    hid a run that trained on 1.5% of its data."""
+    if not tokens or truncated * 10 <= tokens:
+        return None
+    return (
+        f"{name}: {100 * truncated / tokens:.1f}% of the tokens ({truncated:,} of {tokens:,}) are cut past {limit}. "
+        f"Keep them with {keep}."
+    )
+
+
 class ExampleError(ValueError):
     """One example cannot be tokenized; the datamodule adds where the example is (file and line)."""
 
@@ -152,6 +164,12 @@ def _check_messages(messages: Any, name: str) -> list[dict[str, Any]]:
                     f"{name!r}: message {index} has no {key!r} (it has {sorted(k for k, v in message.items() if v is not None)}); "
                     "every message needs a 'role' and a 'content'."
                 )
+        content = message["content"]
+        if not isinstance(content, (str, list)):
+            raise ExampleError(
+                f"{name!r}: the 'content' of message {index} ({message['role']!r}) is not text "
+                f"({type(content).__name__}: {content!r:.40}); write it as a string."
+            )
     return messages
 
 

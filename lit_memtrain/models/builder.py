@@ -39,6 +39,7 @@ from transformers import (
 
 from lit_memtrain.datamodules.gguf_files import find_gguf
 from lit_memtrain.datamodules.tokenizer import load_tokenizer
+from lit_memtrain.models.folder_write import write_folder
 from lit_memtrain.models.lora import (
     LoraSettings,
     apply_lora,
@@ -438,12 +439,14 @@ def export_hf_directory(
     kept. A LoRA adapter is merged in host memory (:func:`~lit_memtrain.models.lora.merged_copy`); a QLoRA adapter
     into the base reloaded unquantized (:func:`reload_unquantized_base`) rather than into its 4/8-bit weights.
     """
-    directory = Path(directory)
     base = reload_unquantized_base(recipe) if recipe.quantized else None
-    merged_copy(model, base).save_pretrained(directory)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(directory)
-    return directory
+
+    def write(folder: Path) -> None:
+        merged_copy(model, base).save_pretrained(folder)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+
+    return write_folder(directory, write)  # a failed export leaves no folder that looks complete
 
 
 def _structure(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:

@@ -9,10 +9,12 @@ optimizer, the throughput meter and the setup probes live in files of their own 
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
+import lightning
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_info
@@ -26,6 +28,7 @@ from lit_memtrain.models.builder import ModelRecipe, build_sharded_training_mode
 from lit_memtrain.models.builder import export_hf_directory, export_sharded_hf_directory
 from lit_memtrain.models.lora import LoraSettings, head_weight
 from lit_memtrain.models.moe import load_balancing_loss, router_aux_coefficient
+from lit_memtrain.objectives.checkpoint_files import save_to_first_writable
 from lit_memtrain.objectives.checkpoint_io import lit_memtrain_class_path, saved_vocabulary
 from lit_memtrain.objectives.optim import optimizer_and_schedule, plain_spec
 from lit_memtrain.objectives.probes import LogitTransform, SetupProbes
@@ -415,8 +418,37 @@ class CausalLMModule(LightningModule):
     def on_fit_end(self) -> None:
         # A sharded model is gathered by every rank together; rank 0 writes it.
         if self.hparams.export_dir and (self.trainer.is_global_zero or is_sharded(self.model)):
-            path = self.export(self.hparams.export_dir)
+            try:
+                path = self.export(self.hparams.export_dir)
+            except Exception as error:
+                message = f"The export to {self.hparams.export_dir} failed ({error}); {self._keep_trained()}"
+                kept = OSError(error.errno, message) if isinstance(error, OSError) else RuntimeError(message)
+                raise kept from error
             self.print(f"exported Hugging Face model to {path}")
+
+    def _keep_trained(self) -> str:
+        """Save the trained weights where they can be written, after a failed export; where they are, in words."""
+        trainer = self.trainer
+        step = trainer.global_step
+        if is_sharded(self.model):
+            saved = [cb.last_model_path for cb in trainer.checkpoint_callbacks if getattr(cb, "last_model_path", "")]
+            return f"the last checkpoint is {saved[0]}" if saved else "the trained weights were not saved"
+        checkpoint = {
+            "global_step": step, "state_dict": self.state_dict(), "hyper_parameters": dict(self.hparams),
+            "pytorch-lightning_version": lightning.__version__,
+        }  # fmt: skip
+        self.on_save_checkpoint(checkpoint)
+        folders = [cb.dirpath for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
+        folders += [logger.save_dir for logger in trainer.loggers if logger.save_dir]
+        folders += [trainer.default_root_dir, tempfile.gettempdir()]
+        folders = [folder for folder in folders if "://" not in str(folder)]  # a local file, for the export to read
+        path, failures = save_to_first_writable(checkpoint, f"trained-step={step}.ckpt", folders)
+        if path is None:
+            return f"the trained weights could not be saved either ({'; '.join(failures)})"
+        return (
+            f"the trained weights are saved in {path}: lit-memtrain export --checkpoint {path} --output <folder> "
+            "writes the export from them"
+        )
 
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Tensor]:
@@ -475,6 +507,10 @@ class CausalLMModule(LightningModule):
             "train_tokens_seen": self.train_tokens_seen,
             "first_train_loss": self.first_train_loss,
             "last_train_loss": self.last_train_loss,
+            # resumed, a W&B logger continues its run (this id): lit_memtrain.cli.resume
+            "logger_versions": [
+                logger.version if isinstance(logger.version, (str, int)) else None for logger in self.trainer.loggers
+            ] if self._trainer else [],
         }
         # A distributed checkpoint of a sharded run keeps every tensor: it is loaded key by key, frozen base included.
         if self.adapter_only_checkpoints and not is_sharded(self.model):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import tempfile
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -35,6 +36,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
 from typing_extensions import override
 
+from lit_memtrain.models.folder_write import PARTIAL_MARK, replace_folder
 from lit_memtrain.parallel.dims import ParallelDims
 from lit_memtrain.parallel.fsdp import mixed_precision_policy, parallelize
 
@@ -113,10 +115,28 @@ class FSDP2Strategy(ModelParallelStrategy):
             timeout=timeout,
         )
         self.mp_policy = mixed_precision_policy(mixed_precision)
+        self.save_distributed_checkpoint = save_distributed_checkpoint
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
         self.start_method = start_method
         self._fsdp_mesh: DeviceMesh | None = None
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Lightning's save, with a distributed checkpoint written into a folder beside ``filepath`` and renamed into
+        place once every rank's shards and ``meta.pt`` are there. Lightning writes the shards over the previous
+        checkpoint, so a kill during the save left a folder that looked complete (its old ``.metadata`` and
+        ``meta.pt``) over a mix of old and new shards."""
+        if not self.save_distributed_checkpoint or storage_options is not None:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        path = Path(self.broadcast(str(filepath)))
+        partial = path.with_name(f".{path.name}{PARTIAL_MARK}{self.broadcast(os.getpid())}")
+        super().save_checkpoint(checkpoint, partial)
+        self.barrier("FSDP2Strategy.save_checkpoint: shards written")
+        if self.global_rank == 0:
+            replace_folder(partial, path)
+        self.barrier("FSDP2Strategy.save_checkpoint: in place")
 
     @property
     def parallel_dims(self) -> ParallelDims:

@@ -94,7 +94,7 @@ def test_padding_free_batch_keeps_every_sequence_apart():
     assert torch.equal(PreferenceCollator(0)(with_reference)["ref_rejected_logps"], torch.tensor([-2.0, -2.0]))
 
 
-def test_datamodule_batches_pairs_and_counts_truncated_tokens():
+def test_datamodule_batches_pairs_and_counts_truncated_tokens(recwarn):
     data = datasets.Dataset.from_list([{"prompt": USER, "chosen": GOOD, "rejected": BAD}] * 6)
     dm = PreferenceDataModule(
         dataset=data, max_length=16, max_prompt_length=12, prompt_truncation="keep_end", batch_size=2, val_size=2
@@ -103,6 +103,12 @@ def test_datamodule_batches_pairs_and_counts_truncated_tokens():
     assert len(dm.datasets["train"]) == 4 and len(dm.datasets["validation"]) == 2
     counts = dm.token_counts["train"]
     assert counts.truncated_tokens > 0 and counts.kept_tokens + counts.truncated_tokens == counts.tokens
+    share = counts.truncated_tokens / counts.tokens
+    cut = [str(w.message) for w in recwarn if str(w.message).startswith("train: ")]
+    assert cut == [
+        f"train: {100 * share:.1f}% of the tokens ({counts.truncated_tokens:,} of {counts.tokens:,}) are cut past "
+        "max_length=16. Keep them with a larger --data.max_length (lit-memtrain lengths profiles the pairs' sequences)."
+    ] and share > 0.1
     batch = next(iter(dm.train_dataloader()))
     lengths = batch["cu_seq_lens_q"].diff()
     assert batch["input_ids"].shape[0] == 1 and batch["num_pairs"] == 2 and len(lengths) == 4

@@ -55,7 +55,7 @@ def test_standard_and_conversational_prompts_tokenize_as_trl(tokenizer, chat_tok
 
 
 @pytest.mark.parametrize("prompt_truncation", ["keep_end", "keep_start"])
-def test_long_prompts_are_cut_counted_and_logged(tokenizer, caplog, prompt_truncation):
+def test_long_prompts_are_cut_counted_and_logged(tokenizer, caplog, recwarn, prompt_truncation):
     lengths = [len(tokenizer(text=q)["input_ids"]) for q in QUESTIONS]
     limit = min(lengths) + 2  # the first prompt fits, the second is cut
     with caplog.at_level(logging.INFO):
@@ -64,6 +64,12 @@ def test_long_prompts_are_cut_counted_and_logged(tokenizer, caplog, prompt_trunc
         prompts=2, tokens=sum(lengths), truncated_prompts=1, truncated_tokens=max(lengths) - limit
     )
     assert f"1 prompts longer than max_prompt_length={limit} cut by {max(lengths) - limit} tokens" in caplog.text
+    cut, total = max(lengths) - limit, sum(lengths)  # 24 of 38 tokens: more than a tenth, a warning
+    assert cut * 10 > total and [str(w.message) for w in recwarn if "are cut past" in str(w.message)] == [
+        f"train prompts: {100 * cut / total:.1f}% of the tokens ({cut:,} of {total:,}) are cut past "
+        f"max_prompt_length={limit}. Keep them with a larger --data.max_prompt_length, or none (max_prompt_length: "
+        "null)."
+    ]
     full = tokenizer(text=QUESTIONS[1])["input_ids"]
     cut = next(ids for ids, answer in zip(batch["prompt_ids"], batch["columns"]["answer"]) if answer == "1")
     assert cut == (full[-limit:] if prompt_truncation == "keep_end" else full[:limit])

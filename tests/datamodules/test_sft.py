@@ -251,3 +251,45 @@ def test_the_datamodule_imports_without_pyarrow_datasets_or_llvmlite():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_chat_content_that_is_not_text_is_named_with_its_field_and_line(tmp_path, streaming):
+    path = tmp_path / "chats.jsonl"
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+            {"messages": [{"role": "user", "content": "2 + 3?"}, {"role": "assistant", "content": 5}]}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(ValueError) as raised:
+        list(_setup(dataset=str(path), streaming=streaming).train_dataset)
+    assert str(raised.value) == (
+        f"{path} line 2: 'messages': the 'content' of message 1 ('assistant') is not text (int: 5); write it as a "
+        "string."
+    )
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_an_empty_data_file_is_named(tmp_path, streaming):
+    path = tmp_path / "chats.jsonl"
+    path.write_text("\n \n")
+    with pytest.raises(ValueError) as raised:
+        _setup(dataset=str(path), streaming=streaming)
+    assert str(raised.value) == (
+        f"{path} is empty: it holds no examples. Give a file with one example per line (JSON lines), or remove it "
+        "from data_files."
+    )
+
+
+def test_truncation_dropping_more_than_a_tenth_of_the_tokens_warns_naming_the_options_that_keep_them(tmp_path):
+    path = tmp_path / "long.jsonl"
+    rows = [{"prompt": "Say it.", "completion": " word" * 200}, {"prompt": "Hi.", "completion": " hello"}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.warns(UserWarning) as warned:
+        dm = _setup(dataset=str(path), max_length=16)
+    counts = dm.token_counts["train"]
+    message = next(str(w.message) for w in warned if "cut past max_length" in str(w.message))
+    share = 100 * counts.truncated_tokens / counts.tokens
+    assert share > 80 and message == (
+        f"train: {share:.1f}% of the tokens ({counts.truncated_tokens:,} of {counts.tokens:,}) are cut past "
+        "max_length=16. Keep them with a larger --data.max_length (lit-memtrain lengths recommends one), or "
+        "--data.packing=true --data.packing_strategy=bfd_split (long examples split into chunks that all train)."
+    )

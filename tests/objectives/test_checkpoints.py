@@ -86,6 +86,29 @@ def test_export_refuses_a_checkpoint_carrying_a_malicious_pickle(checkpoints, tm
         load_checkpoint(evil)
 
 
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (lambda data: data[: len(data) // 2], "truncated or not a checkpoint (no complete zip archive)"),
+        (lambda data: b"", "an empty file"),
+        (lambda data: b"step 4 weights\n", "truncated or not a checkpoint (no complete zip archive)"),
+    ],
+    ids=["truncated", "empty", "text"],
+)
+def test_export_names_a_checkpoint_that_cannot_be_read_in_one_line(checkpoints, tmp_path, capsys, damage, reason):
+    good, _, _ = checkpoints
+    broken = tmp_path / "broken.ckpt"
+    broken.write_bytes(damage(good.read_bytes()))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", "--checkpoint", str(broken), "--output", str(tmp_path / "export")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"lit-memtrain export: error: --checkpoint {broken} cannot be read: {reason}. Export a complete checkpoint "
+        "(a save interrupted by a kill or a full disk leaves an incomplete one)."
+    )
+    assert not (tmp_path / "export").exists()
+
+
 def test_resume_refuses_a_checkpoint_carrying_a_malicious_pickle(checkpoints, tmp_path):
     _, evil, marker = checkpoints
     module = CausalLMModule(preset="tiny-qwen3", lora=LoraSettings(r=2, alpha=4))

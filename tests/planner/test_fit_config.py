@@ -53,7 +53,7 @@ def test_switching_techniques_keeps_the_rest_of_the_configuration():
     settings = read_fit_config(["--config", "configs/long_context.yaml"])
     plain = with_techniques(settings, Techniques())
     assert techniques_of(plain) == Techniques() and plain.module["loss_type"] == "nll"
-    assert [spec.name for spec in plain.callbacks] == ["MemoryMonitor", "PositionalLoss"]
+    assert [spec.name for spec in plain.callbacks] == ["MemoryMonitor", "PositionalLoss", "ModelCheckpoint"]
     offloaded = {name: techniques for name, techniques, _ in comparison_rows(settings)}["+ offloaded checkpoints"]
     again = with_techniques(plain, offloaded)
     assert offloaded.describe() == "checkpointing with offloaded inputs, chunked loss, tiled MLP"

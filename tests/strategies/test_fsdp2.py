@@ -366,6 +366,7 @@ def test_a_resumed_sharded_run_reproduces_the_next_step_exactly(distributed_runs
         torch.testing.assert_close(resumed["weights"][name], expected, rtol=0, atol=0, msg=name)
     checkpoint = distributed_runs / "resume" / "checkpoint"
     assert len(list(checkpoint.glob("*.distcp"))) == WORLD  # each rank wrote its own shards
+    assert not list(checkpoint.parent.glob(".checkpoint.partial-*"))  # written beside, then renamed into place
 
 
 def test_the_export_command_reads_a_distributed_checkpoint(distributed_runs, tmp_path):
