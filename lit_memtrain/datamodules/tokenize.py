@@ -165,12 +165,18 @@ def _check_messages(messages: Any, name: str) -> list[dict[str, Any]]:
                     "every message needs a 'role' and a 'content'."
                 )
         content = message["content"]
-        if not isinstance(content, (str, list)):
+        parts = content if isinstance(content, list) else []  # a list of typed parts: {"type": "text", "text": ...}
+        if not isinstance(content, (str, list)) or any(not _is_part(part) for part in parts):
             raise ExampleError(
                 f"{name!r}: the 'content' of message {index} ({message['role']!r}) is not text "
                 f"({type(content).__name__}: {content!r:.40}); write it as a string."
             )
     return messages
+
+
+def _is_part(part: Any) -> bool:
+    """Whether ``part`` of a list content is a typed part, its text (if a text part) a string."""
+    return isinstance(part, dict) and "type" in part and (part["type"] != "text" or isinstance(part.get("text"), str))
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -168,6 +169,12 @@ def unreadable_reason(error: BaseException) -> str:
     text = " ".join(str(error).split()) or type(error).__name__
     if "PytorchStreamReader" in text or "zip archive" in text or "mmap can only be used" in text:
         return "truncated or not a checkpoint (no complete zip archive)"
+    refused = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+    if refused:  # a complete file: torch's message is a page long, with terminal colours
+        return (
+            f"it holds a Python object that torch.load(weights_only=True) refuses ({refused.group(1)}), as Lightning's "
+            "resume does; if you trust the file, allow it with torch.serialization.add_safe_globals"
+        )
     return text[:200]
 
 

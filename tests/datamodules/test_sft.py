@@ -253,16 +253,21 @@ def test_the_datamodule_imports_without_pyarrow_datasets_or_llvmlite():
     assert result.stdout.strip() == "[]"
 
 
+@pytest.mark.parametrize(
+    ("content", "shown"),
+    [(5, "int: 5"), ([5], "list: [5]"), ([{"type": "text", "text": 5}], "list: [{'type': 'text', 'text': 5}]")],
+    ids=["number", "list-of-numbers", "text-part-of-a-number"],
+)
 @pytest.mark.parametrize("streaming", [False, True])
-def test_chat_content_that_is_not_text_is_named_with_its_field_and_line(tmp_path, streaming):
+def test_chat_content_that_is_not_text_is_named_with_its_field_and_line(tmp_path, streaming, content, shown):
     path = tmp_path / "chats.jsonl"
     rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
-            {"messages": [{"role": "user", "content": "2 + 3?"}, {"role": "assistant", "content": 5}]}]
+            {"messages": [{"role": "user", "content": "2 + 3?"}, {"role": "assistant", "content": content}]}]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     with pytest.raises(ValueError) as raised:
         list(_setup(dataset=str(path), streaming=streaming).train_dataset)
     assert str(raised.value) == (
-        f"{path} line 2: 'messages': the 'content' of message 1 ('assistant') is not text (int: 5); write it as a "
+        f"{path} line 2: 'messages': the 'content' of message 1 ('assistant') is not text ({shown}); write it as a "
         "string."
     )
 

@@ -104,12 +104,18 @@ def test_resume_takes_the_highest_readable_step_and_names_what_it_skipped(tmp_pa
     (tmp_path / "epoch=0-step=6.ckpt").write_bytes((tmp_path / "last.ckpt").read_bytes()[:300])  # truncated
     (tmp_path / "empty.ckpt").touch()
     (tmp_path / "notes.ckpt").write_text("not a checkpoint")
+    io.save_checkpoint({**_checkpoint(8), "user_state": Path("/run")}, tmp_path / "epoch=0-step=8.ckpt")  # complete
     os.utime(tmp_path / "last.ckpt")  # the newest file holds an older state
     found = newest_readable(checkpoints_in([tmp_path]))
     assert (found.path, found.step) == (tmp_path / "epoch=0-step=4.ckpt", 4)
     assert {path.name: reason for path, reason in found.skipped} == {
         "empty.ckpt": "an empty file",
         "epoch=0-step=6.ckpt": "truncated or not a checkpoint (no complete zip archive)",
+        "epoch=0-step=8.ckpt": (
+            f"it holds a Python object that torch.load(weights_only=True) refuses ({type(Path()).__module__}."
+            f"{type(Path()).__name__}), as Lightning's resume does; if you trust the file, allow it with "
+            "torch.serialization.add_safe_globals"
+        ),
         "notes.ckpt": "truncated or not a checkpoint (no complete zip archive)",
     }
 
