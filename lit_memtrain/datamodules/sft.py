@@ -307,8 +307,10 @@ class SFTDataModule(ResumableDataModule):
                 "max_length, or check the loss masks (completion_only_loss / assistant_only_loss) against your columns."
             )
         rank_zero_info(f"{name}: {counts.describe(self.max_length)}.")
+        # An example whose trainable tokens all lie past max_length is dropped whole: its tokens are lost to the cut.
+        cut_whole = int(num_tokens[~keep & (num_tokens > kept_lengths)].sum())
         warning = truncation_warning(
-            counts.truncated_tokens, counts.tokens, name, f"max_length={self.max_length}",
+            counts.truncated_tokens + cut_whole, counts.tokens, name, f"max_length={self.max_length}",
             "a larger --data.max_length (lit-memtrain lengths recommends one), or --data.packing=true "
             "--data.packing_strategy=bfd_split (long examples split into chunks that all train)",
         )  # fmt: skip

@@ -272,6 +272,21 @@ def test_chat_content_that_is_not_text_is_named_with_its_field_and_line(tmp_path
     )
 
 
+def test_examples_dropped_because_their_answers_lie_past_max_length_count_as_cut_tokens(tmp_path):
+    path = tmp_path / "long_prompts.jsonl"
+    rows = [{"prompt": "Say it." + " word" * 40, "completion": " done"}] * 3 + [{"prompt": "Hi.", "completion": " yo"}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.warns(UserWarning) as warned:
+        dm = _setup(dataset=str(path), max_length=16)
+    counts = dm.token_counts["train"]
+    assert counts.dropped_examples == 3 and counts.truncated_tokens == 0  # the long rows are dropped, not cut
+    message = next(str(w.message) for w in warned if "cut past max_length" in str(w.message))
+    assert message.startswith(
+        f"train: {100 * counts.dropped_tokens / counts.tokens:.1f}% of the tokens ({counts.dropped_tokens:,} of "
+        f"{counts.tokens:,}) are cut past max_length=16. Keep them with a larger --data.max_length"
+    )
+
+
 @pytest.mark.parametrize("streaming", [False, True])
 def test_an_empty_data_file_is_named(tmp_path, streaming):
     path = tmp_path / "chats.jsonl"
