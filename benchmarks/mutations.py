@@ -142,6 +142,13 @@ MUTATIONS: tuple[Mutation, ...] = (
               '"memory/rss_gib": _process_rss_bytes() / 2**40'),),
         ("tests/callbacks/test_memory_monitor.py::test_logs_process_rss_on_cpu_to_logger_and_progress_bar",),
     ),
+    Mutation(
+        "offloading ends at the first backward of a step (GRPO/RLOO slices after it not offloaded; found in review)",
+        (Edit(CALLBACKS + "activation_offloading.py", "    def on_train_batch_end(\n",
+              "    def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:\n"
+              "        self._stop()\n\n    def on_train_batch_end(\n"),),
+        GRPO_MEMORY,
+    ),
     *(
         Mutation(
             f"{technique} skipped for {objective}",
