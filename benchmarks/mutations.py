@@ -111,6 +111,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         THROUGHPUT,
     ),
     Mutation(
+        "throughput: MFU of a bf16-true run measured against the float32 peak (found in review)",
+        (Edit("lit_memtrain/objectives/throughput.py", '    if precision.startswith("bf16"):\n',
+              '    if precision.startswith("bf16-mixed"):\n'),),
+        ("tests/objectives/test_throughput.py::test_mfu_is_logged_on_an_h200",),
+    ),
+    Mutation(
         "generate: greedy decoding replaced by sampling at T=1 with a fixed seed",
         (Edit(GENERATE, 'else {"do_sample": False}', 'else {"do_sample": True, "temperature": 1.0}'),
          Edit(GENERATE, "    if seed is not None:\n        torch.manual_seed(seed)\n",
