@@ -111,6 +111,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         THROUGHPUT,
     ),
     Mutation(
+        "throughput: MFU of a bf16-true run measured against the float32 peak (found in review)",
+        (Edit("lit_memtrain/objectives/throughput.py", '    if precision.startswith("bf16"):\n',
+              '    if precision.startswith("bf16-mixed"):\n'),),
+        ("tests/objectives/test_throughput.py::test_mfu_is_logged_on_an_h200",),
+    ),
+    Mutation(
         "generate: greedy decoding replaced by sampling at T=1 with a fixed seed",
         (Edit(GENERATE, 'else {"do_sample": False}', 'else {"do_sample": True, "temperature": 1.0}'),
          Edit(GENERATE, "    if seed is not None:\n        torch.manual_seed(seed)\n",
@@ -141,6 +147,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         (Edit(CALLBACKS + "memory_monitor.py", '"memory/rss_gib": _process_rss_bytes() / _GIB',
               '"memory/rss_gib": _process_rss_bytes() / 2**40'),),
         ("tests/callbacks/test_memory_monitor.py::test_logs_process_rss_on_cpu_to_logger_and_progress_bar",),
+    ),
+    Mutation(
+        "offloading ends at the first backward of a step (GRPO/RLOO slices after it not offloaded; found in review)",
+        (Edit(CALLBACKS + "activation_offloading.py", "    def on_train_batch_end(\n",
+              "    def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:\n"
+              "        self._stop()\n\n    def on_train_batch_end(\n"),),
+        GRPO_MEMORY,
     ),
     *(
         Mutation(

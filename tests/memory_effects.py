@@ -7,7 +7,9 @@ losses also check that each technique acted, by what it does rather than by how 
   (between Lightning's ``on_before_backward`` and ``on_after_backward``) as in the training forwards;
 - a tiled MLP runs its activation on tiles: each MLP call of a training forward calls its activation once per
   tile (a dense MLP, or experts computed together as transformers does on CPU; untiled, once per MLP call);
-- activation offloading counts what it moved: its offloader's step statistics have bytes for every layer.
+- activation offloading counts what it moved: its offloader's step statistics gain bytes in every layer before
+  each backward (a step of GRPO or RLOO runs a forward and a backward per slice: offloading that ends at the first
+  backward would leave the later slices' activations on the device).
 
 Place :class:`TechniquesInEffect` after the technique callbacks, so it sees the layers as they left them.
 """
@@ -33,12 +35,16 @@ class TechniquesInEffect(Callback):
         self.attention_in_backward = 0
         self.backwards = 0
         self.activation_calls: list[list[int]] = []  # per MLP call of a training forward: tokens per activation call
+        self.offloaded_per_backward: list[list[int]] = []  # per backward: bytes each layer offloaded since the last
+        self._offloading: ActivationOffloading | None = None
+        self._offloaded: tuple[Any, list[int]] | None = None  # the offloader's statistics and their bytes then
         self._in_backward = False
         self._in_training_mlp = False
         self._handles: list[Any] = []
 
     def on_fit_start(self, trainer, pl_module) -> None:
         layers = find_decoder_layers(pl_module)
+        self._offloading = next((c for c in trainer.callbacks if isinstance(c, ActivationOffloading)), None)
         activations = {id(m): m for layer in layers for name, m in layer.mlp.named_modules() if name.endswith("act_fn")}
         self._handles = [
             *(layer.self_attn.register_forward_pre_hook(self._attention) for layer in layers),
@@ -49,6 +55,12 @@ class TechniquesInEffect(Callback):
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         self._in_backward = True
         self.backwards += 1
+        if self._offloading is not None:  # the statistics start anew with each training step
+            stats = self._offloading.offloader.stats
+            same_step = self._offloaded is not None and self._offloaded[0] is stats
+            before = self._offloaded[1] if same_step else [0] * len(stats.bytes_per_layer)
+            self.offloaded_per_backward.append([now - then for now, then in zip(stats.bytes_per_layer, before)])
+            self._offloaded = (stats, list(stats.bytes_per_layer))
 
     def on_after_backward(self, trainer, pl_module) -> None:
         self._in_backward = False
@@ -90,3 +102,6 @@ class TechniquesInEffect(Callback):
         if offloading is not None:
             stats = offloading.offloader.stats
             assert all(stats.bytes_per_layer) and stats.tensors > 0, f"offloading moved {stats} in its last step"
+            assert len(self.offloaded_per_backward) == self.backwards, "offloading was not seen by this callback"
+            for index, moved in enumerate(self.offloaded_per_backward):
+                assert all(moved), f"offloading: the forward before backward {index} moved {moved} bytes per layer"

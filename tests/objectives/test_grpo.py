@@ -191,11 +191,12 @@ def test_memory_callbacks_train_as_without_them(saved_model):
     runs = []
     offloading, in_effect = ActivationOffloading(offload_cpu_tensors_for_testing=True), TechniquesInEffect()
     for callbacks in ([], [GradientCheckpointing(), TiledMLP(num_tiles=2), offloading, in_effect]):
-        torch.manual_seed(0)
-        module = _module(saved_model, beta=0.1)
+        torch.manual_seed(0)  # two slices a step, so two forwards and backwards: each is offloaded
+        module = _module(saved_model, beta=0.1, steps_per_generation=2, gradient_accumulation_steps=2)
         record = _fit(module, max_steps=2, callbacks=callbacks)
         runs.append((record.metrics, {n: p.detach().clone() for n, p in module.model.named_parameters()}))
     in_effect.assert_in_effect(offloading=offloading)
+    assert in_effect.backwards == 2 * 2  # two steps of two slices
     (metrics, weights), (other_metrics, other_weights) = runs
     for step, other in zip(metrics, other_metrics):  # the same completions, rewards and losses
         for name in ("train/reward", "train/completions/mean_length", "train/loss", "train/kl", "train/entropy"):
