@@ -25,6 +25,9 @@ ADDITION_HELDOUT = "lit-memtrain/addition-heldout"
 """A dataset: held-out two-digit additions as prompts with their exact ``answer``, to score a model trained on
 :data:`ADDITION` on questions it never saw."""
 
+ADDITION_PROMPTS = "lit-memtrain/addition-prompts"
+"""A prompt dataset (online RL): additions asked by :data:`ADDITION` only, as prompts with their exact ``answer``."""
+
 ADDITION_PAIRS = "lit-memtrain/addition-pairs"
 """A preference dataset (a ``save_to_disk`` directory): a ``train`` split of additions asked by :data:`ADDITION`
 and a ``heldout`` split of those of :data:`ADDITION_HELDOUT`, each with the right sum chosen over a wrong one."""
@@ -133,11 +136,19 @@ def write_addition_dataset(path: Path, num_examples: int = 6000, seed: int = 4) 
 
 def write_addition_heldout(path: Path) -> Path:
     """Write the held-out additions as prompts with their ``answer`` (TRL's conversational prompt-only format)."""
-    rows = []
-    for a, b in _addition_pairs()[1]:
-        user, answer = _addition(a, b)
-        rows.append({"prompt": [user], "answer": answer})
-    return _write_json_lines(path, rows)
+    return _write_json_lines(path, (_addition_prompt(a, b) for a, b in _addition_pairs()[1]))
+
+
+def write_addition_prompts(path: Path, num_examples: int = 2000, seed: int = 6) -> Path:
+    """Write ``num_examples`` additions drawn from the training pairs as prompts with their ``answer``."""
+    rng = random.Random(seed)
+    training = _addition_pairs()[0]
+    return _write_json_lines(path, (_addition_prompt(*rng.choice(training)) for _ in range(num_examples)))
+
+
+def _addition_prompt(a: int, b: int) -> dict[str, object]:
+    user, answer = _addition(a, b)
+    return {"prompt": [user], "answer": answer}
 
 
 def write_addition_preferences(directory: Path, num_examples: int = 4000, seed: int = 5) -> Path:
@@ -258,12 +269,13 @@ def embedded_prompt_path(cache_dir: Path | None = None) -> str:
 _NAMED_FILES = {
     ADDITION: ("addition.jsonl", write_addition_dataset),
     ADDITION_HELDOUT: ("addition_heldout.jsonl", write_addition_heldout),
+    ADDITION_PROMPTS: ("addition_prompts.jsonl", write_addition_prompts),
     ADDITION_PAIRS: ("addition_pairs", write_addition_preferences),
 }
 
 
 def named_dataset_file(dataset: str) -> str:
-    """The file of :data:`ADDITION`, :data:`ADDITION_HELDOUT` or :data:`ADDITION_PAIRS` (created on first use);
+    """The file of :data:`ADDITION`, :data:`ADDITION_HELDOUT`, :data:`ADDITION_PROMPTS` or :data:`ADDITION_PAIRS` (created on first use);
     any other ``dataset`` unchanged."""
     if dataset not in _NAMED_FILES:
         return dataset
