@@ -25,6 +25,13 @@ ADDITION_HELDOUT = "lit-memtrain/addition-heldout"
 """A dataset: held-out two-digit additions as prompts with their exact ``answer``, to score a model trained on
 :data:`ADDITION` on questions it never saw."""
 
+ADDITION_PROMPTS = "lit-memtrain/addition-prompts"
+"""A prompt dataset (online RL): additions asked by :data:`ADDITION` only, as prompts with their exact ``answer``."""
+
+ADDITION_PAIRS = "lit-memtrain/addition-pairs"
+"""A preference dataset (a ``save_to_disk`` directory): a ``train`` split of additions asked by :data:`ADDITION`
+and a ``heldout`` split of those of :data:`ADDITION_HELDOUT`, each with the right sum chosen over a wrong one."""
+
 _ADDITION_HELDOUT_PAIRS = 500  # of the 10,000 (a, b) pairs, held out of ADDITION
 
 _SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -83,7 +90,11 @@ def _wrong_answer(rng: random.Random, answer: str) -> str:
 def make_preference(rng: random.Random) -> dict[str, list[dict[str, str]]]:
     """One preference pair in TRL's conversational explicit-prompt format: the exact answer is chosen over a wrong one."""
     user, assistant = make_conversation(rng)
-    answer = assistant["content"]
+    return _preference(rng, user, assistant["content"])
+
+
+def _preference(rng: random.Random, user: dict[str, str], answer: str) -> dict[str, list[dict[str, str]]]:
+    """``answer`` chosen over a wrong answer to ``user``'s question."""
     wrong = _wrong_answer(rng, answer)
     while wrong == answer:
         wrong = _wrong_answer(rng, answer)
@@ -125,11 +136,41 @@ def write_addition_dataset(path: Path, num_examples: int = 6000, seed: int = 4) 
 
 def write_addition_heldout(path: Path) -> Path:
     """Write the held-out additions as prompts with their ``answer`` (TRL's conversational prompt-only format)."""
-    rows = []
-    for a, b in _addition_pairs()[1]:
-        user, answer = _addition(a, b)
-        rows.append({"prompt": [user], "answer": answer})
-    return _write_json_lines(path, rows)
+    return _write_json_lines(path, (_addition_prompt(a, b) for a, b in _addition_pairs()[1]))
+
+
+def write_addition_prompts(path: Path, num_examples: int = 2000, seed: int = 6) -> Path:
+    """Write ``num_examples`` additions drawn from the training pairs as prompts with their ``answer``."""
+    rng = random.Random(seed)
+    training = _addition_pairs()[0]
+    return _write_json_lines(path, (_addition_prompt(*rng.choice(training)) for _ in range(num_examples)))
+
+
+def _addition_prompt(a: int, b: int) -> dict[str, object]:
+    user, answer = _addition(a, b)
+    return {"prompt": [user], "answer": answer}
+
+
+def write_addition_preferences(directory: Path, num_examples: int = 4000, seed: int = 5) -> Path:
+    """Write :data:`ADDITION_PAIRS` to ``directory``: ``num_examples`` training pairs drawn from the training
+    additions, and one pair per held-out addition (the ``heldout`` split), in that order. The wrong sum is off by
+    1 to 9, as in the embedded preference set. Written beside ``directory`` and renamed: a reader never sees half."""
+    import shutil
+
+    import datasets
+
+    rng = random.Random(seed)
+    training, heldout = _addition_pairs()
+    train = [_preference(rng, *_addition(*rng.choice(training))) for _ in range(num_examples)]
+    splits = datasets.DatasetDict(
+        train=datasets.Dataset.from_list(train),
+        heldout=datasets.Dataset.from_list([_preference(rng, *_addition(a, b)) for a, b in heldout]),
+    )
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    splits.save_to_disk(str(tmp))
+    tmp.replace(directory)
+    return directory
 
 
 def write_embedded_prompts(path: Path, num_examples: int = 2000, seed: int = 2) -> Path:
@@ -228,12 +269,14 @@ def embedded_prompt_path(cache_dir: Path | None = None) -> str:
 _NAMED_FILES = {
     ADDITION: ("addition.jsonl", write_addition_dataset),
     ADDITION_HELDOUT: ("addition_heldout.jsonl", write_addition_heldout),
+    ADDITION_PROMPTS: ("addition_prompts.jsonl", write_addition_prompts),
+    ADDITION_PAIRS: ("addition_pairs", write_addition_preferences),
 }
 
 
 def named_dataset_file(dataset: str) -> str:
-    """The JSON-lines file of :data:`ADDITION` or :data:`ADDITION_HELDOUT` (created on first use); any other
-    ``dataset`` unchanged."""
+    """The file of :data:`ADDITION`, :data:`ADDITION_HELDOUT`, :data:`ADDITION_PROMPTS` or :data:`ADDITION_PAIRS` (created on first use);
+    any other ``dataset`` unchanged."""
     if dataset not in _NAMED_FILES:
         return dataset
     name, write = _NAMED_FILES[dataset]
