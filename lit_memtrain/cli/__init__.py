@@ -9,6 +9,7 @@ configuration mistake with one line and exit status 2 (:mod:`lit_memtrain.cli.er
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from typing import NoReturn
 
@@ -46,7 +47,14 @@ A configuration mistake ends with one line; {TRACEBACK_VARIABLE}=1 shows its tra
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point. Sets the allocator to expandable segments before anything initialises CUDA."""
+    """Console entry point. Sets the allocator to expandable segments before anything initialises CUDA.
+
+    The working directory goes first on ``sys.path``, as ``python -m`` puts it there: a config names reward functions
+    and callbacks by import path (``reward_funcs: [my_rewards.reward_model]``), and a module beside the config must
+    import from the ``lit-memtrain`` command as it does from ``python -m lit_memtrain.cli``.
+    """
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     enable_expandable_segments()
     silence_library_noise()
     argv = sys.argv[1:] if argv is None else list(argv)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lit_memtrain.datamodules.embedded import EMBEDDED, embedded_dataset_path, named_dataset_file
+from lit_memtrain.datamodules.hub_access import require_hub
 
 if TYPE_CHECKING:
     from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
@@ -211,6 +212,8 @@ def load_raw_dataset(
                 else:
                     loaded = datasets.IterableDatasetDict({k: v.to_iterable_dataset() for k, v in loaded.items()})
         else:
+            if _hub_shaped(dataset):  # not a builder name (json, parquet...) with data_files
+                require_hub(dataset, "dataset", repo_type="dataset")
             loaded = datasets.load_dataset(dataset, dataset_config, data_files=data_files, streaming=streaming)
     except Exception as error:  # noqa: BLE001 - re-raised, with the bad JSON line or the missing file
         raise_for_invalid_json(tuple(f for split_files in files.values() for f in split_files), error)

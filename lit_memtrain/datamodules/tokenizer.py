@@ -8,6 +8,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from lit_memtrain.datamodules.embedded import EMBEDDED, embedded_tokenizer_path
 from lit_memtrain.datamodules.gguf_files import find_gguf
+from lit_memtrain.datamodules.hub_access import require_hub
 
 
 def load_tokenizer(name_or_path: str, gguf_file: str | None = None) -> PreTrainedTokenizerBase:
@@ -22,9 +23,11 @@ def load_tokenizer(name_or_path: str, gguf_file: str | None = None) -> PreTraine
     """
     gguf = find_gguf(name_or_path, gguf_file)
     if gguf is not None:
+        require_hub(gguf.location, "tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(gguf.location, gguf_file=gguf.name)
     else:
         path = embedded_tokenizer_path() if name_or_path == EMBEDDED else name_or_path
+        require_hub(str(path), "tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:

@@ -38,6 +38,7 @@ from transformers import (
 )
 
 from lit_memtrain.datamodules.gguf_files import find_gguf
+from lit_memtrain.datamodules.hub_access import require_hub
 from lit_memtrain.datamodules.tokenizer import load_tokenizer
 from lit_memtrain.models.folder_write import write_folder
 from lit_memtrain.models.lora import (
@@ -224,6 +225,7 @@ def build_causal_lm(recipe: ModelRecipe, tokenizer: PreTrainedTokenizerBase | No
     common = {"attn_implementation": recipe.attn_implementation, "trust_remote_code": recipe.trust_remote_code}
     if recipe.model:
         source, init_kwargs = pretrained_source(recipe)
+        require_hub(source, "model")
         init_kwargs.update(_gguf_dequantized(init_kwargs))
         if recipe.quantized:
             compute_dtype = torch.bfloat16 if dtype in ("auto", torch.float32) else dtype
@@ -259,6 +261,8 @@ def causal_lm_config(
     """
     if recipe.model:
         source, init_kwargs = pretrained_source(recipe)
+        if not local_files_only:
+            require_hub(source, "model")
         return AutoConfig.from_pretrained(
             source, trust_remote_code=recipe.trust_remote_code, local_files_only=local_files_only, **init_kwargs
         )

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from lit_memtrain.datamodules.gguf_files import find_gguf
+from lit_memtrain.datamodules.hub_access import require_hub
 from lit_memtrain.datamodules.tokenizer import load_tokenizer
 from lit_memtrain.models.builder import ModelRecipe, build_causal_lm
 
@@ -49,6 +50,7 @@ def load_tokenizer_for(
     )
     if Path(source).is_dir() and not any((Path(source) / name).exists() for name in _TOKENIZER_FILES):
         raise ValueError(f"{source!r} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}). {hint}")
+    require_hub(source, "tokenizer")
     try:
         loaded = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError, TypeError, KeyError) as error:

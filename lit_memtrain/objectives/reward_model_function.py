@@ -19,6 +19,7 @@ from transformers import AutoModelForSequenceClassification, PreTrainedTokenizer
 
 from lit_memtrain.datamodules.collate import PaddedCollator
 from lit_memtrain.datamodules.tokenize import tokenize_prompt_completion
+from lit_memtrain.datamodules.hub_access import require_hub
 from lit_memtrain.datamodules.tokenizer import load_tokenizer
 
 __all__ = ["RewardModelFunction"]
@@ -57,6 +58,7 @@ class RewardModelFunction:
                 raise ValueError("Give the tokenizer the reward model was trained with (tokenizer=...).")
             tokenizer = model
         if isinstance(model, str):
+            require_hub(model, "reward model")
             model = AutoModelForSequenceClassification.from_pretrained(model)
         self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
         config = model.config.get_text_config()

@@ -412,8 +412,8 @@ def _model_config(recipe: ModelRecipe, settings: PlanSettings, notes: list[str])
             raise ValueError(
                 f"Cannot read the config of model={recipe.model!r} without the network. The planner reads only "
                 "config.json (no weights), from a local directory or the Hugging Face cache: download it once "
-                f"(huggingface-cli download {recipe.model} config.json), give a local directory that has it, or "
-                f"plan a preset instead (--model.model=null --model.preset=..., see lit_memtrain.PRESETS). ({error})"
+                f"(hf download {recipe.model} config.json), give a local directory that has it, or "
+                f"plan a preset instead (--model.preset=..., see lit_memtrain.PRESETS). ({error})"
             ) from error
     tokenizer = None
     if settings.tokenizer:
