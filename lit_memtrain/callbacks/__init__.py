@@ -15,6 +15,7 @@ from lit_memtrain.callbacks.memory_plan_check import MemoryPlanCheck
 from lit_memtrain.callbacks.output_preflight import OutputPreflight
 from lit_memtrain.callbacks.positional_loss import PositionalLoss
 from lit_memtrain.callbacks.run_folder_lock import RunFolderLock
+from lit_memtrain.callbacks.sigterm_checkpoint import SigtermCheckpoint
 from lit_memtrain.callbacks.technique_description import (
     CompareRow,
     PlannedTechnique,
@@ -37,6 +38,7 @@ __all__ = [
     "PlannedTechnique",
     "PositionalLoss",
     "RunFolderLock",
+    "SigtermCheckpoint",
     "Suggestion",
     "TechniqueDescription",
     "TiledMLP",

@@ -16,8 +16,11 @@ help is plain text (:mod:`lit_memtrain.cli.help_text`) and the model given last 
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
 from argparse import ArgumentError
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +31,12 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, LRSched
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.optim import Optimizer
 
 from lit_memtrain.callbacks.output_preflight import OutputPreflight
 from lit_memtrain.callbacks.run_folder_lock import RunFolderLock
+from lit_memtrain.callbacks.sigterm_checkpoint import SigtermCheckpoint
 from lit_memtrain.cli.errors import RunStarted, one_line_errors
 from lit_memtrain.cli.gguf_tokenizer import use_gguf_tokenizer
 from lit_memtrain.cli.library_noise import quiet_loggers
@@ -219,7 +224,7 @@ def run_fit(argv: list[str]) -> None:
     from lit_memtrain.cli.help_text import PlainHelpFormatter  # jsonargparse's, imported when a command runs
 
     parser_kwargs = {"exit_on_error": False, "formatter_class": PlainHelpFormatter}
-    with one_line_errors(f"lit-memtrain {subcommand}" if subcommand else "lit-memtrain", run):
+    with one_line_errors(f"lit-memtrain {subcommand}" if subcommand else "lit-memtrain", run), _sigterm_status():
         by_class_path = names_model_class(argv)
         MemTrainCLI(
             CausalLMModule,
@@ -227,10 +232,20 @@ def run_fit(argv: list[str]) -> None:
             subclass_mode_model=by_class_path,
             subclass_mode_data=by_class_path,
             save_config_kwargs={"overwrite": True},
-            trainer_defaults={"callbacks": [run, RunFolderLock(), OutputPreflight()]},
+            trainer_defaults={"callbacks": [run, SigtermCheckpoint(), RunFolderLock(), OutputPreflight()]},
             parser_kwargs={"prog": "lit-memtrain", **parser_kwargs, **dict.fromkeys(FIT_SUBCOMMANDS, parser_kwargs)},
             args=argv,
         )
+
+
+@contextmanager
+def _sigterm_status() -> Iterator[None]:
+    """A fit stopped by SIGTERM (:class:`SigtermCheckpoint` saved it) exits with status 143, as a process the signal
+    ended does, not 0 (Lightning's ``SIGTERMException`` is a ``SystemExit`` without a code): it did not finish."""
+    try:
+        yield
+    except SIGTERMException:
+        raise SystemExit(128 + signal.SIGTERM) from None
 
 
 def _strategy_class(name: str) -> type | None:
