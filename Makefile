@@ -12,7 +12,7 @@ GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 OUT ?= gpu-check
 GPU_CHECK_ARGS ?=
 
-.PHONY: install quickstart smollm2 smollm2-sft smollm2-dpo test bench mutations gpu-check clean
+.PHONY: install quickstart smollm2 smollm2-sft smollm2-dpo test docs-check bench mutations gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,13 @@ smollm2-dpo: smollm2
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Every command block of README.md and docs/*.md run as written (offline, in a temporary copy of the tree) and the
+# figures the docs print compared with what the commands print (benchmarks/docs_check.py says how blocks are marked).
+# DOCS_CHECK_ARGS=--fast: only the blocks not marked slow (tests/benchmarks/test_docs_check.py runs those).
+DOCS_CHECK_ARGS ?=
+docs-check: $(STAMP)
+	$(PY) benchmarks/docs_check.py $(DOCS_CHECK_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m pip install -e '.[test,bench]'
