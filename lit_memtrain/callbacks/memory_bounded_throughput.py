@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lit_memtrain.objectives.throughput import count_tokens
@@ -53,7 +53,8 @@ class MemoryBoundedThroughput(Callback):
 
     Logged once, at ``trainer.global_step``, to every logger: ``sweep/tokens`` (tokens in the measured
     window, all ranks), ``sweep/tokens_per_sec``, ``sweep/peak_memory_gib``, ``sweep/within_memory_bound``
-    (1 or 0) and ``sweep/objective`` (``tokens_per_sec`` within the bound, else 0).
+    (1 or 0) and ``sweep/objective`` (``tokens_per_sec`` within the bound, else 0); and one line saying them
+    (``sweep/objective 812.3: ...``), which ``benchmarks/sweep_grid.py`` reads without W&B.
 
     Args:
         max_memory_gib: the memory bound, in GiB per device.
@@ -120,3 +121,8 @@ class MemoryBoundedThroughput(Callback):
         }
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
+        bound = "within" if within else "over"
+        rank_zero_info(
+            f"sweep/objective {metrics['sweep/objective']:.1f}: {tokens_per_sec:.1f} tokens/s after {self.warmup_steps} "
+            f"warm-up steps, peak memory {peak_gib:.2f} GiB ({bound} max_memory_gib={self.max_memory_gib:g})"
+        )

@@ -22,7 +22,7 @@ Usage (notebook)::
     lengths = np.array([len(ids) for ids in tokenised["input_ids"]])
     report = profile_lengths(lengths, candidates=[1024, 2048, 4096], batch_size=8)
     print(report.to_table())
-    write_histogram(report, "lengths.png")
+    write_histogram(report, "token_lengths.png")
 """
 
 from __future__ import annotations

@@ -418,13 +418,14 @@ class CausalLMModule(LightningModule):
     def on_fit_end(self) -> None:
         # A sharded model is gathered by every rank together; rank 0 writes it.
         if self.hparams.export_dir and (self.trainer.is_global_zero or is_sharded(self.model)):
+            replaced = Path(self.hparams.export_dir).exists()
             try:
                 path = self.export(self.hparams.export_dir)
             except Exception as error:
                 message = f"The export to {self.hparams.export_dir} failed ({error}); {self._keep_trained()}"
                 kept = OSError(error.errno, message) if isinstance(error, OSError) else RuntimeError(message)
                 raise kept from error
-            self.print(f"exported Hugging Face model to {path}")
+            self.print(f"exported Hugging Face model to {path}" + (" (it replaced the earlier export there)" if replaced else ""))
 
     def _keep_trained(self) -> str:
         """Save the trained weights where they can be written, after a failed export; where they are, in words."""

@@ -6,7 +6,7 @@ data, no GPU), and prints the peak device memory per rank with its breakdown and
 memory, and whether it fits::
 
     lit-memtrain plan --config configs/long_context.yaml --gpu-memory 80
-    lit-memtrain plan --config configs/long_context.yaml --find-max-length --compare --plot lengths.png --json
+    lit-memtrain plan --config configs/long_context.yaml --find-max-length --compare --plot memory_by_length.png --json
 
 Also run as ``python -m lit_memtrain.planner.command --fit-config FILE.json``, with a fit configuration as
 LightningCLI parses it (``model``, ``data`` and ``trainer`` sections) written as JSON: how the ``MemoryPlanCheck``

@@ -177,7 +177,7 @@ class Planner:
         return self._simulations[key]
 
     def longest_length(self, techniques: Techniques | None = None, purpose: str = "longest length") -> LengthSearch:
-        """The longest ``max_length`` that fits the budget, to within 1% of it (see
+        """The longest ``max_length`` that fits the budget, to within 1% of it or 1,024 tokens, whichever is more (see
         :mod:`lit_memtrain.planner.search`)."""
         techniques = techniques_of(self.settings) if techniques is None else techniques
         configured = self.simulate(techniques, purpose=purpose)

@@ -210,7 +210,11 @@ def _suggestion_text(suggestion: dict[str, Any], budget: Budget, settings: PlanS
 def _length_text(search: LengthSearch, settings: PlanSettings) -> str:
     if search.max_length == 0:
         return "Longest max_length that fits: none (not even 1,024 tokens per row)."
-    bound = "the search's ceiling" if search.too_long is None else f"within 1%: {search.too_long:,} does not fit"
+    if search.too_long is None:
+        bound = "the search's ceiling"
+    else:  # 1% of the length, but at least 1,024 tokens: a larger share at short lengths
+        gap = search.too_long - search.max_length
+        bound = f"{search.too_long:,}, {gap:,} tokens or {100 * gap / search.max_length:.1f}% longer, does not fit"
     return (
         f"Longest max_length that fits: {search.max_length:,} tokens per row ({bound}; {len(search.peaks)} lengths "
         f"simulated); configured: {settings.max_length:,}."

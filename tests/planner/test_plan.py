@@ -392,3 +392,21 @@ def test_bad_input_is_refused_clearly(preloaded_python):
         assert status == 2, args
         assert message in stderr, (args, stderr)
         assert "Traceback" not in stderr
+
+
+_LONGEST = re.compile(
+    r"Longest max_length that fits: ([\d,]+) tokens per row \(([\d,]+), ([\d,]+) tokens or ([\d.]+)% longer, does not "
+    r"fit; \d+ lengths simulated\)"
+)
+
+
+def test_the_longest_length_line_gives_the_real_gap_to_the_length_that_does_not_fit(preloaded_python):
+    """At short lengths the search stops within 1,024 tokens, far more than 1%: the line says how far, not "1%"."""
+    result = preloaded_python.run(
+        "-m", "lit_memtrain.cli", "plan", *TINY, "--data.max_length=1024", "--gpu-memory=0.02", "--find-max-length"
+    )  # fmt: skip
+    found = _LONGEST.search(result.stdout)
+    assert found, result.stdout[-3000:] + result.stderr[-3000:]
+    longest, too_long, gap = (int(found[index].replace(",", "")) for index in (1, 2, 3))
+    assert longest < 102_400 and too_long - longest == gap == 1024
+    assert float(found[4]) == round(100 * gap / longest, 1) > 1
