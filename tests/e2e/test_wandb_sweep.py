@@ -1,5 +1,7 @@
 import csv
+import importlib.util
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -12,10 +14,14 @@ from wandb.sdk.launch.sweeps.utils import create_sweep_command, create_sweep_com
 from lit_memtrain.callbacks.memory_bounded_throughput import MemoryBoundedThroughput
 from lit_memtrain.callbacks.memory_monitor import MemoryMonitor
 from lit_memtrain.cli import MemTrainCLI, main
+from lit_memtrain.cli.library_noise import RANK_ZERO_LOGGER
 from lit_memtrain.datamodules.sft import SFTDataModule
 from lit_memtrain.objectives.causal_lm import CausalLMModule
 
 ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("sweep_grid", ROOT / "benchmarks" / "sweep_grid.py")
+sweep_grid = sys.modules.setdefault("sweep_grid", importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(sweep_grid)  # its OBJECTIVE: what it reads from each run's output
 SWEEP = yaml.safe_load((ROOT / "configs" / "sweep.yaml").read_text())
 CHECKPOINTING = SWEEP["parameters"]["trainer.callbacks+"]["values"]
 # Shrinks the base config's Qwen3-0.6B to a model a test can build; not one of the swept keys.
@@ -100,6 +106,10 @@ def _read_run(run_dir: Path) -> tuple[dict, list[dict], dict]:
 
 
 def test_offline_fit_writes_a_local_run_with_config_metrics_memory_and_positional_loss(tmp_path, monkeypatch):
+    lines: list[str] = []  # what rank_zero_info logs, as a user sees it
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger(RANK_ZERO_LOGGER).addHandler(handler)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     command = agent_command({
@@ -124,6 +134,7 @@ def test_offline_fit_writes_a_local_run_with_config_metrics_memory_and_positiona
         ])
     finally:
         wandb.finish()
+        logging.getLogger(RANK_ZERO_LOGGER).removeHandler(handler)
 
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
     config, history, summary = _read_run(run_dir)
@@ -138,6 +149,12 @@ def test_offline_fit_writes_a_local_run_with_config_metrics_memory_and_positiona
     assert summary["sweep/objective"] == summary["sweep/tokens_per_sec"] > 0
     assert summary["sweep/peak_memory_gib"] == pytest.approx(max(row["memory/rss_gib"] for row in steps), rel=0.05)
     assert "val/loss" in summary
+    # The same figures in one printed line, which benchmarks/sweep_grid.py reads offline.
+    (line,) = [line for line in lines if line.startswith("sweep/objective ")]
+    found = sweep_grid.OBJECTIVE.search(line)
+    assert found and float(found[1]) == pytest.approx(summary["sweep/objective"], abs=0.05)
+    assert float(found[3]) == pytest.approx(summary["sweep/peak_memory_gib"], abs=0.005)
+    assert line.endswith("(within max_memory_gib=20)")
 
     written = sorted(p.name for p in (tmp_path / "positional_loss").iterdir())
     assert written == ["loss_by_position_step6.csv", "loss_by_position_step6.png"]  # none for the sanity check
