@@ -229,11 +229,14 @@ def compare(command: Command, printed: str, tolerance: float) -> list[str]:
             continue
         want = figures(expected)
         if not any(all(close(a, b, tolerance) for a, b in zip(want, figures(got))) for got in candidates):
-            problems.append(f"other figures: the doc shows  {expected.strip()}\n      the command printed {candidates[0].strip()}")
+            problems.append(
+                f"other figures: the doc shows  {expected.strip()}\n      the command printed {candidates[0].strip()}"
+            )
     printed_figures = [m.group(0) for m in _COMMENT_FIGURE.finditer(_ANSI.sub("", printed))]
     for shown in command.comment_figures:
         ok = any(
-            skeleton(shown) == skeleton(got) and all(close(a, b, tolerance) for a, b in zip(figures(shown), figures(got)))
+            skeleton(shown) == skeleton(got)
+            and all(close(a, b, tolerance) for a, b in zip(figures(shown), figures(got)))
             for got in printed_figures
         )
         if not ok:
@@ -287,7 +290,8 @@ def run_block(block: Block, copy: Path, tolerance: float) -> tuple[bool, str]:
         )  # fmt: skip
     except subprocess.TimeoutExpired as error:
         tail = (error.stdout or b"")[-2000:]
-        return False, f"timed out after {block.timeout_s:.0f} s:\n{tail.decode(errors='replace') if isinstance(tail, bytes) else tail}"
+        tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+        return False, f"timed out after {block.timeout_s:.0f} s:\n{tail}"
     stdout = done.stdout.replace(f"{copy}/", "")  # paths in the copy, as the doc writes them: relative
     parts = re.split(rf"^{_MARK}(\d+)$", stdout, flags=re.MULTILINE)
     printed = {int(parts[i]): parts[i + 1] for i in range(1, len(parts) - 1, 2)}
@@ -352,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
             shutil.copytree(copy, kept / "repo", symlinks=True)
             print(f"the copy is kept in {kept / 'repo'}")
     if not args.list:
-        print(f"docs-check: {ran - len(failed)} of {ran} blocks passed" + (f"; failed: {', '.join(failed)}" if failed else ""))
+        failures = f"; failed: {', '.join(failed)}" if failed else ""
+        print(f"docs-check: {ran - len(failed)} of {ran} blocks passed{failures}")
     return 1 if failed else 0
 
 

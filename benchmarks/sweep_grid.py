@@ -51,10 +51,12 @@ def grid(fixed: dict[str, str]) -> list[dict[str, str]]:
     keys = [key for key, spec in parameters.items() if "values" in spec]
     unknown = set(fixed) - set(parameters)
     if unknown:
-        raise SystemExit(f"sweep_grid: {', '.join(sorted(unknown))} is not a key of {SWEEP.name}: {', '.join(parameters)}")
+        names = ", ".join(sorted(unknown))
+        raise SystemExit(f"sweep_grid: {names} is not a key of {SWEEP.name}: {', '.join(parameters)}")
     choices = [[fixed[key]] if key in fixed else [_text(value) for value in parameters[key]["values"]] for key in keys]
     points = [dict(zip(keys, values)) for values in itertools.product(*choices)]
-    return [p for p in points if p.get("model.attn_implementation") != "sdpa_by_document" or p.get("data.packing") != "false"]
+    by_document_unpacked = {"model.attn_implementation": "sdpa_by_document", "data.packing": "false"}
+    return [point for point in points if not by_document_unpacked.items() <= point.items()]
 
 
 def _text(value: object) -> str:
@@ -65,7 +67,8 @@ def run(point: dict[str, str], size: list[str]) -> tuple[float, float, float] | 
     """One fit at ``point``: (objective, tokens per second, peak GiB), or None when it printed no objective."""
     command = [sys.executable, "-m", "lit_memtrain.cli", "fit", "--config", BASE, *size, *OFFLINE]
     command += [f"--{key}={value}" for key, value in point.items()]
-    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # this tree's code
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": path}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     found = OBJECTIVE.search(done.stdout + done.stderr)
     if found is None:

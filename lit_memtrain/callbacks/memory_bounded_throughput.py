@@ -123,6 +123,7 @@ class MemoryBoundedThroughput(Callback):
             logger.log_metrics(metrics, step=trainer.global_step)
         bound = "within" if within else "over"
         rank_zero_info(
-            f"sweep/objective {metrics['sweep/objective']:.1f}: {tokens_per_sec:.1f} tokens/s after {self.warmup_steps} "
-            f"warm-up steps, peak memory {peak_gib:.2f} GiB ({bound} max_memory_gib={self.max_memory_gib:g})"
+            f"sweep/objective {metrics['sweep/objective']:.1f}: {tokens_per_sec:.1f} tokens/s after "
+            f"{self.warmup_steps} warm-up steps, peak memory {peak_gib:.2f} GiB "
+            f"({bound} max_memory_gib={self.max_memory_gib:g})"
         )

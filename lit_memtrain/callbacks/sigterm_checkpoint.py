@@ -36,7 +36,8 @@ class SigtermCheckpoint(Callback):
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         if not isinstance(exception, SIGTERMException):
             return
-        folders = sorted({str(c.dirpath) for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint) and c.dirpath})
+        callbacks = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint) and c.dirpath]
+        folders = sorted({str(callback.dirpath) for callback in callbacks})
         saved = []
         for folder in folders:
             path = Path(folder) / f"sigterm-step={trainer.global_step}.ckpt"

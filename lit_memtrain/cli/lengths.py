@@ -44,7 +44,7 @@ def lengths(argv: list[str]) -> None:
     parser.add_argument("--seed_everything", type=int | bool | None, default=None, help="ignored")
     parser.add_argument("--candidates", type=list[int] | None, default=None, help="max_length values to compare")
     parser.add_argument("--max_truncated_token_share", type=float, default=0.01)
-    parser.add_argument("--histogram", type=str, default="token_lengths.png", help="PNG to write (token_lengths.png in the working directory)")
+    parser.add_argument("--histogram", type=str, default="token_lengths.png", help="PNG to write (in the working directory)")
     parser.add_argument("--sample", type=int, default=10_000, help="examples profiled from a stream (--data.streaming)")
     try:
         args = parser.parse_args(argv)

@@ -47,7 +47,8 @@ def require_hub(name: str, what: str, repo_type: str = "model") -> None:
     if Path(name).expanduser().exists():
         return
     cached = (Path(constants.HF_HUB_CACHE) / f"{repo_type}s--{name.replace('/', '--')}").is_dir()
-    download = f"download it where there is a network (hf download {name}{' --repo-type dataset' * (repo_type == 'dataset')})"
+    repo_option = " --repo-type dataset" if repo_type == "dataset" else ""
+    download = f"download it where there is a network (hf download {name}{repo_option})"
     if constants.HF_HUB_OFFLINE:
         if cached:
             return
@@ -61,10 +62,13 @@ def require_hub(name: str, what: str, repo_type: str = "model") -> None:
     reason = _unreachable(host, port)
     if reason is None:
         return
-    fix = "it is in the cache: set HF_HUB_OFFLINE=1 to read it from there" if cached else (
-        f"{download} and set HF_HUB_OFFLINE=1, or give {OFFLINE_FORMS}"
+    if cached:
+        fix = "it is in the cache: set HF_HUB_OFFLINE=1 to read it from there"
+    else:
+        fix = f"{download} and set HF_HUB_OFFLINE=1, or give {OFFLINE_FORMS}"
+    raise OSError(
+        f"{what} {name!r} is a Hugging Face hub id, and the hub {host}:{port} cannot be reached ({reason}): {fix}."
     )
-    raise OSError(f"{what} {name!r} is a Hugging Face hub id, and the hub {host}:{port} cannot be reached ({reason}): {fix}.")
 
 
 def _endpoint() -> tuple[str, int]:

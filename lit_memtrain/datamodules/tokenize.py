@@ -61,7 +61,9 @@ class TokenCounts:
     def describe(self, max_length: int) -> str:
         """One line for the log: examples and tokens read, kept, truncated and dropped."""
         share = f" ({100 * self.truncated_tokens / self.tokens:.1f}%)" if self.tokens else ""
-        dropped = f", {self.dropped_tokens:,} in {self.dropped_examples:,} dropped examples" if self.dropped_examples else ""
+        dropped = ""
+        if self.dropped_examples:  # "0 in 0 dropped examples" was noise for data that drops none
+            dropped = f", {self.dropped_tokens:,} in {self.dropped_examples:,} dropped examples"
         return (
             f"{self.examples:,} examples, {self.tokens:,} tokens: {self.kept_tokens:,} kept, "
             f"{self.truncated_tokens:,}{share} truncated past max_length={max_length}{dropped}"

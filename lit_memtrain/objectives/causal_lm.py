@@ -425,7 +425,8 @@ class CausalLMModule(LightningModule):
                 message = f"The export to {self.hparams.export_dir} failed ({error}); {self._keep_trained()}"
                 kept = OSError(error.errno, message) if isinstance(error, OSError) else RuntimeError(message)
                 raise kept from error
-            self.print(f"exported Hugging Face model to {path}" + (" (it replaced the earlier export there)" if replaced else ""))
+            replacing = " (it replaced the earlier export there)" if replaced else ""
+            self.print(f"exported Hugging Face model to {path}{replacing}")
 
     def _keep_trained(self) -> str:
         """Save the trained weights where they can be written, after a failed export; where they are, in words."""

@@ -11,7 +11,8 @@ Why to within 1%: what a user decides with the answer (the ``max_length`` of a r
 does not change with the last percent, and pinning the exact multiple of 1,024 tokens at a million tokens costs
 several more simulations. The search keeps a bracket, the longest length known to fit and the shortest known not
 to, and stops when they are at most ``max(1,024 tokens, 1% of the length)`` apart: the answer fits, and a length that
-much longer is confirmed not to (1% at long lengths; below 102,400 tokens the 1,024 tokens are more, 25% at 4,096). Each step simulates the line's guess, or, when the guess is that close to a length
+much longer is confirmed not to (1% at long lengths; below 102,400 tokens the 1,024 tokens are more, 25% at 4,096).
+Each step simulates the line's guess, or, when the guess is that close to a length
 already simulated, the length that would close the bracket from it (a confirmation). Inside the bracket the line
 goes through its two ends (regula falsi), with the Illinois rule: when two guesses in a row land on the same side,
 the far end counts half, so a curved peak does not leave one end stuck and the search still ends in a few steps.

@@ -21,7 +21,8 @@ SWEPT = yaml.safe_load((ROOT / "configs" / "sweep.yaml").read_text())["parameter
 def test_the_grid_is_every_categorical_value_of_the_sweep_without_duplicate_runs():
     points = sweep_grid.grid({})
     categorical = [key for key, spec in SWEPT.items() if "values" in spec]
-    assert set(categorical) == {"data.packing", "model.attn_implementation", "model.loss_chunk_size", "trainer.callbacks+"}
+    swept = {"data.packing", "model.attn_implementation", "model.loss_chunk_size", "trainer.callbacks+"}
+    assert set(categorical) == swept
     assert len(points) == 2 * 2 * 3 * 5 - 3 * 5  # sdpa_by_document without packing is plain sdpa: left out
     for key in categorical:
         assert {point[key] for point in points} == {sweep_grid._text(value) for value in SWEPT[key]["values"]}
@@ -30,7 +31,8 @@ def test_the_grid_is_every_categorical_value_of_the_sweep_without_duplicate_runs
 
 def test_fixed_keys_hold_one_value_and_an_unknown_key_is_named():
     points = sweep_grid.grid({"data.packing": "true", "model.loss_chunk_size": "1024"})
-    assert len(points) == 2 * 5 and all(p["data.packing"] == "true" and p["model.loss_chunk_size"] == "1024" for p in points)
+    assert len(points) == 2 * 5
+    assert all(point["data.packing"] == "true" and point["model.loss_chunk_size"] == "1024" for point in points)
     with pytest.raises(SystemExit, match="model.lerning_rate is not a key of sweep.yaml"):
         sweep_grid.grid({"model.lerning_rate": "1e-4"})
 

@@ -43,7 +43,9 @@ def test_sigterm_saves_a_checkpoint_and_exits_with_143(tmp_path):
         "--trainer.callbacks+=started_marker.Started",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         _wait_for(tmp_path / "started", process, seconds=120)
         process.send_signal(signal.SIGTERM)
