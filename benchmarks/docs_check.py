@@ -48,6 +48,7 @@ import re
 import resource
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -283,21 +284,22 @@ def run_block(block: Block, copy: Path, tolerance: float) -> tuple[bool, str]:
     script = ["set -o pipefail" if block.transcript else "set -eo pipefail", "exec 2>&1"]
     for number, command in enumerate(commands):
         script += [f"echo {_MARK}{number}", command.text]
+    process = subprocess.Popen(
+        ["bash", "-c", "\n".join(script)], cwd=copy, env=environment(copy), stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, text=True, errors="replace", start_new_session=True,
+    )  # fmt: skip
     try:
-        done = subprocess.run(
-            ["bash", "-c", "\n".join(script)], cwd=copy, env=environment(copy), stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, text=True, errors="replace", timeout=block.timeout_s,
-        )  # fmt: skip
-    except subprocess.TimeoutExpired as error:
-        tail = (error.stdout or b"")[-2000:]
-        tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
-        return False, f"timed out after {block.timeout_s:.0f} s:\n{tail}"
-    stdout = done.stdout.replace(f"{copy}/", "")  # paths in the copy, as the doc writes them: relative
+        output, _ = process.communicate(timeout=block.timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # the block's commands and whatever they started
+        output, _ = process.communicate()
+        return False, f"timed out after {block.timeout_s:.0f} s:\n{output[-2000:]}"
+    stdout = output.replace(f"{copy}/", "")  # paths in the copy, as the doc writes them: relative
     parts = re.split(rf"^{_MARK}(\d+)$", stdout, flags=re.MULTILINE)
     printed = {int(parts[i]): parts[i + 1] for i in range(1, len(parts) - 1, 2)}
-    if done.returncode != 0 and not block.transcript:
+    if process.returncode != 0 and not block.transcript:
         failed = commands[max(printed)].text if printed else "(before the first command)"
-        return False, f"exit status {done.returncode} from: {failed}\n{stdout[-3000:]}"
+        return False, f"exit status {process.returncode} from: {failed}\n{stdout[-3000:]}"
     problems = []
     for number, command in enumerate(commands):
         for problem in compare(command, printed.get(number, ""), block.tolerance(tolerance)):
