@@ -191,6 +191,7 @@ def test_every_token_is_accounted_for_with_examples_longer_than_max_length(token
         else:
             assert [tuple(ids) for ids in packed] == heads
         assert f"{overflow:,} (" in caplog.text and f"truncated past max_length={MAX_LENGTH}" in caplog.text
+        assert "dropped examples" not in caplog.text  # none is dropped: no "0 in 0 dropped examples"
 
 
 # --- clear errors naming the file and line (issue 13, point 6) -----------------------------------------------------
