@@ -129,7 +129,7 @@ class OnlineDPOModule(OnlineRLModule):
                 "completions without an end of sequence."
             )
         if missing_eos_penalty is not None and not missing_eos_penalty >= 0:
-            raise ValueError(f"missing_eos_penalty must be >= 0 (TRL: a positive value) or None, got {missing_eos_penalty}.")
+            raise ValueError(f"missing_eos_penalty must be >= 0 (TRL: a positive value) or None: {missing_eos_penalty}")
         betas = [beta] if isinstance(beta, numbers.Real) else list(beta)
         if not betas or not all(isinstance(b, numbers.Real) and b > 0 for b in betas):
             raise ValueError(f"beta must be > 0, or a non-empty list of such values (one per epoch), got {beta!r}.")

@@ -7,15 +7,17 @@ reference; only what it trains on those completions differs between the methods.
 - the reference: the model with its LoRA adapter disabled, else a frozen copy of the initial model, built in
   :meth:`~OnlineRLModule.configure_model` (sharded like the policy under FSDP2, its parameters on the host with
   ``cpu_offload``);
-- generation through a backend of :mod:`lit_memtrain.models.generation` (:meth:`~OnlineRLModule.generation_backend_for_run`)
-  and scoring of each rank's completions (:meth:`~OnlineRLModule.score_completions`, the reward functions by default);
+- generation through a backend of :mod:`lit_memtrain.models.generation`
+  (:meth:`~OnlineRLModule.generation_backend_for_run`) and scoring of each rank's completions
+  (:meth:`~OnlineRLModule.score_completions`, the reward functions by default);
 - completion log-probabilities from the final hidden states in chunks, padding-free
   (:meth:`~OnlineRLModule.completion_logps`), never the ``[tokens, vocab]`` logits;
 - gathers and sums over ranks, manual optimisation (an optimizer step every ``gradient_accumulation_steps``
   micro-batches, gradients clipped to ``max_grad_norm``) and its schedule.
 
-A subclass's ``__init__`` sets what these read: ``sampling`` (:class:`~lit_memtrain.models.generation.SamplingSettings`),
-``num_generations``, ``steps_per_generation`` (slices the no-gradient passes go in), ``reward_functions`` (None
+A subclass's ``__init__`` sets what these read: ``sampling`` (its
+:class:`~lit_memtrain.models.generation.SamplingSettings`), ``num_generations``, ``steps_per_generation`` (slices
+the no-gradient passes go in), ``reward_functions`` (None
 when it overrides :meth:`~OnlineRLModule.score_completions`), ``generation_backend`` (an instance or None),
 ``_backend_ready``, ``_micro_steps`` and ``_reference_model`` (None), and the hyper-parameters ``beta`` (0: no
 reference), ``generation_backend``, ``generation_options``, ``gather_weights_for_generation``, ``padding_free``,
@@ -85,8 +87,9 @@ class OnlineRLModule(CausalLMModule):
         if self.hparams.beta != 0 and self.lora is None and self._reference_model is None:
             if is_sharded(self.model):
                 raise RuntimeError(
-                    f"The model was sharded before {type(self).__name__} could copy its initial weights as the reference. Let the "
-                    "module build it (configure_model), or train a LoRA adapter (the reference is then the base model)."
+                    f"The model was sharded before {type(self).__name__} could copy its initial weights as the "
+                    "reference. Let the module build it (configure_model), or train a LoRA adapter (the reference is "
+                    "then the base model)."
                 )
             if self.model is None and sharding:  # built unsharded first (rank 0 on the host, the others on meta)
                 source_rank = strategy.global_rank == 0

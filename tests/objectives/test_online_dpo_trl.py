@@ -143,7 +143,8 @@ def test_one_step_equals_trl_online_dpo(saved_models, tokenizer, tmp_path, loss_
     batch = _batch(tokenizer)
     trl._generate = lambda *args, **kwargs: _trl_generation(batch["prompt_ids"], completions, tokenizer.pad_token_id)
     rows = list(_prompts())
-    trl_loss = trl.training_step(trl_model, {"prompt": [r["prompt"] for r in rows], "answer": [r["answer"] for r in rows]})
+    inputs = {"prompt": [row["prompt"] for row in rows], "answer": [row["answer"] for row in rows]}
+    trl_loss = trl.training_step(trl_model, inputs)
 
     backend = FixedCompletions(completions, SamplingSettings(MAX_NEW_TOKENS, temperature=0.7), [EOS], 0)
     module = OnlineDPOModule(
