@@ -1,0 +1,251 @@
+"""Benchmark: Online DPO with ``OnlineDPOModule`` against TRL's ``OnlineDPOTrainer`` (steps/s, generated tokens/s),
+side by side in one run.
+
+The same for both:
+
+- weights: one random ``tiny-qwen3`` (hidden ``--hidden``, ``--layers`` layers, fp32) saved with
+  ``save_pretrained`` and loaded by each run, the embedded tokenizer saved beside it; the reference is a frozen
+  copy of the initial weights (no LoRA), as each trainer makes it;
+- data: ``--prompts`` synthetic string prompts of lognormal length (median ``--prompt-median`` words);
+- a step: ``--batch-size`` prompts x 2 completions of up to ``--max-new-tokens`` tokens drawn with Hugging Face
+  ``generate`` (temperature 0.9, TRL's default, KV cache), one reward function (the token sum mod 7), the sigmoid
+  loss with ``beta=0.1``, the policy and the reference scoring every completion, AdamW (fused) at a constant learning
+  rate, gradient clipping at 1.0, fp32, no gradient checkpointing (TRL's default is on: turned off);
+- timing: each training step from start to end (generation, judging, both scorings, the optimizer step) after
+  ``--warmup-steps`` untimed steps, in process CPU time on ``--threads`` thread(s); generated tokens are each step's
+  completion tokens through their end of sequence (TRL's: the completion mask of its ``_generate``; ours: the
+  rollout's completions).
+
+Each run in its own process, alternating which goes first in ``--rounds`` rounds. Headline: the median over rounds
+of ours / TRL steps per second (target >= 1.0x). Completions are sampled, so the runs generate different
+completions; the generated tokens per second is the rate that accounts for it.
+
+Run from the repository root (needs trl)::
+
+    python benchmarks/online_dpo.py --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import NoReturn
+
+
+def fail(message: str) -> NoReturn:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(1)
+
+
+def token_sum_reward(completion_ids=None, completions=None, **kwargs) -> list[float]:
+    """The reward of a completion: the sum of its token ids mod 7 (TRL's ids are padded with 0: the same sum)."""
+    return [float(sum(ids) % 7) for ids in completion_ids]
+
+
+def worker_trl(args: argparse.Namespace) -> None:
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+    torch.manual_seed(args.seed)
+    records: dict[str, list] = {"step_cpu_seconds": [], "generated_tokens": []}
+    generated: list[int] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, train_args, state, control, **kwargs):
+            self.started = time.process_time()
+            generated.clear()
+
+        def on_step_end(self, train_args, state, control, **kwargs):
+            if state.global_step > args.warmup_steps:
+                records["step_cpu_seconds"].append(time.process_time() - self.started)
+                records["generated_tokens"].append(sum(generated))
+
+    config = OnlineDPOConfig(
+        output_dir=args.output + ".trl", per_device_train_batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens, max_length=512, beta=0.1, loss_type="sigmoid", temperature=0.9,
+        max_steps=args.warmup_steps + args.steps, learning_rate=args.learning_rate, lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, use_cpu=True, bf16=False, report_to=[],
+        logging_steps=1, save_strategy="no", seed=args.seed, dataloader_num_workers=0, gradient_checkpointing=False,
+        optim="adamw_torch_fused",
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    trainer = OnlineDPOTrainer(
+        model=model, reward_funcs=token_sum_reward, args=config,
+        processing_class=AutoTokenizer.from_pretrained(args.model),
+        train_dataset=datasets.load_dataset("json", data_files=args.data, split="train"), callbacks=[Timer()],
+    )  # fmt: skip
+    generate = trainer._generate
+
+    def counted(*arguments, **options):
+        out = generate(*arguments, **options)
+        generated.append(int(out[3].sum()))  # the completion mask: tokens through the first end of sequence
+        return out
+
+    trainer._generate = counted
+    trainer.train()
+    Path(args.output).write_text(json.dumps(records))
+
+
+def worker_ours(args: argparse.Namespace) -> None:
+    import torch
+    from lightning.pytorch import Callback, Trainer, seed_everything
+
+    from lit_memtrain.datamodules.prompts import PromptDataModule
+    from lit_memtrain.objectives.online_dpo import OnlineDPOModule
+
+    seed_everything(args.seed)
+    records: dict[str, list] = {"step_cpu_seconds": [], "generated_tokens": []}
+    generated: list[int] = []
+
+    class Counted(OnlineDPOModule):
+        def _generate_and_score(self, batch, where):
+            out = super()._generate_and_score(batch, where)
+            generated.append(sum(len(ids) for ids in out[0].completion_ids))
+            return out
+
+    class Timer(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.started = time.process_time()
+            generated.clear()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step > args.warmup_steps:
+                records["step_cpu_seconds"].append(time.process_time() - self.started)
+                records["generated_tokens"].append(sum(generated))
+
+    module = Counted(
+        model=args.model, tokenizer=args.model, dtype="float32", reward_funcs=[token_sum_reward],
+        max_new_tokens=args.max_new_tokens, max_length=512, beta=0.1, preference_loss="sigmoid", temperature=0.9,
+        learning_rate=args.learning_rate, weight_decay=0.0, warmup=0, min_lr_ratio=1.0, max_grad_norm=1.0,
+        optimizer={"class_path": "torch.optim.AdamW", "init_args": {"fused": True}},
+    )  # fmt: skip
+    trainer = Trainer(
+        max_steps=args.warmup_steps + args.steps, accelerator="cpu", devices=1, precision="32-true", logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[Timer()],
+    )  # fmt: skip
+    data = PromptDataModule(tokenizer=args.model, dataset="json", data_files=args.data, max_prompt_length=None,
+                            batch_size=args.batch_size, seed=args.seed)  # fmt: skip
+    torch.manual_seed(args.seed)
+    trainer.fit(module, datamodule=data)
+    Path(args.output).write_text(json.dumps(records))
+
+
+def run_worker(which: str, args: argparse.Namespace, model_dir: Path, data: Path, workdir: Path, tag: str) -> dict:
+    output = workdir / f"{tag}.json"
+    command = [
+        sys.executable, str(Path(__file__).resolve()), "--worker", which, "--model", str(model_dir), "--data",
+        str(data), "--output", str(output), "--batch-size", str(args.batch_size), "--max-new-tokens",
+        str(args.max_new_tokens), "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps),
+        "--learning-rate", str(args.learning_rate), "--seed", str(args.seed),
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false",
+               TRL_EXPERIMENTAL_SILENCE="1")  # fmt: skip
+    log = workdir / f"{tag}.log"
+    with log.open("w") as log_file:
+        finished = subprocess.run(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+    if finished.returncode != 0 or not output.exists():
+        tail = "\n".join(log.read_text().splitlines()[-30:])
+        fail(f"the {which} run exited with {finished.returncode}; last lines of {log}:\n{tail}")
+    return json.loads(output.read_text())
+
+
+def prepare(args: argparse.Namespace, workdir: Path) -> tuple[Path, Path]:
+    """One random model and the tokenizer saved, and the prompts as JSON lines."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lit_memtrain.datamodules.embedded import EMBEDDED
+    from lit_memtrain.datamodules.tokenizer import load_tokenizer
+    from lit_memtrain.models.presets import build_config
+
+    tokenizer = load_tokenizer(EMBEDDED)
+    overrides = {"hidden_size": args.hidden, "intermediate_size": 3 * args.hidden, "num_hidden_layers": args.layers,
+                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": args.hidden // 4,
+                 "vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
+                 "eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id}  # fmt: skip
+    torch.manual_seed(args.seed)
+    model_dir = workdir / "model"
+    config = build_config("tiny-qwen3", overrides)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    rng = np.random.default_rng(args.seed)
+    words = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "plus", "is", "what"]
+    data = workdir / "prompts.jsonl"
+    with data.open("w") as f:
+        for length in np.clip(rng.lognormal(np.log(args.prompt_median), 0.5, args.prompts), 2, 64).astype(int):
+            f.write(json.dumps({"prompt": " ".join(rng.choice(words, int(length)))}) + "\n")
+    return model_dir, data
+
+
+def throughput(args: argparse.Namespace) -> None:
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="online-dpo-bench-") as directory:
+        workdir = Path(directory)
+        model_dir, data = prepare(args, workdir)
+        runs: dict[str, list[dict]] = {"trl": [], "ours": []}
+        for round_index in range(args.rounds):
+            for which in ("trl", "ours") if round_index % 2 == 0 else ("ours", "trl"):
+                runs[which].append(run_worker(which, args, model_dir, data, workdir, f"{which}-{round_index}"))
+                print(f"round {round_index + 1}: {which} done", file=sys.stderr, flush=True)
+
+    def rates(run: dict) -> tuple[float, float]:
+        seconds = sum(run["step_cpu_seconds"])
+        return len(run["step_cpu_seconds"]) / seconds, sum(run["generated_tokens"]) / seconds
+
+    print(f"{args.batch_size} prompts x 2 completions of up to {args.max_new_tokens} tokens per step, {args.steps} "
+          f"timed steps, {args.rounds} rounds, {args.threads} thread(s)")  # fmt: skip
+    print("| | steps / s (CPU time) | generated tokens / s | generated tokens / step |")
+    print("|---|---|---|---|")
+    for name, label in (("trl", "TRL `OnlineDPOTrainer` (HF generate)"), ("ours", "lit-memtrain `OnlineDPOModule`")):
+        steps = statistics.median(rates(run)[0] for run in runs[name])
+        tokens = statistics.median(rates(run)[1] for run in runs[name])
+        per_step = statistics.median(statistics.fmean(run["generated_tokens"]) for run in runs[name])
+        print(f"| {label} | {steps:.3f} | {tokens:,.0f} | {per_step:,.0f} |")
+    step_ratios = [rates(o)[0] / rates(t)[0] for o, t in zip(runs["ours"], runs["trl"])]
+    token_ratios = [rates(o)[1] / rates(t)[1] for o, t in zip(runs["ours"], runs["trl"])]
+    steps_text = ", ".join(f"{r:.2f}" for r in step_ratios)
+    tokens_text = ", ".join(f"{r:.2f}" for r in token_ratios)
+    print(f"ours / TRL steps/s: {statistics.median(step_ratios):.2f}x (rounds {steps_text}); "
+          f"generated tokens/s: {statistics.median(token_ratios):.2f}x (rounds {tokens_text})")
+    print(f"wall time {time.perf_counter() - started:.0f} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup-steps", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=8, help="prompts per step")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--prompt-median", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--learning-rate", type=float, default=1e-5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--worker", choices=("trl", "ours"), help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--data", help=argparse.SUPPRESS)
+    parser.add_argument("--output", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker == "trl":
+        worker_trl(args)
+    elif args.worker == "ours":
+        worker_ours(args)
+    else:
+        throughput(args)
+
+
+if __name__ == "__main__":
+    main()
