@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
@@ -183,26 +184,28 @@ def prepare(args: argparse.Namespace, workdir: Path) -> tuple[Path, Path]:
     return model_dir, data
 
 
-def throughput(args: argparse.Namespace) -> None:
-    started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="grpo-bench-") as directory:
-        workdir = Path(directory)
-        model_dir, data = prepare(args, workdir)
-        runs: dict[str, list[dict]] = {"trl": [], "ours": []}
-        for round_index in range(args.rounds):
-            for which in ("trl", "ours") if round_index % 2 == 0 else ("ours", "trl"):
-                runs[which].append(run_worker(which, args, model_dir, data, workdir, f"{which}-{round_index}"))
-                print(f"round {round_index + 1}: {which} done", file=sys.stderr, flush=True)
+def alternate(rounds: int, run: Callable[[str, int], dict]) -> dict[str, list[dict]]:
+    """``run(which, round)`` for ``"trl"`` and ``"ours"`` once per round, alternating which goes first; the records
+    of each, round by round."""
+    runs: dict[str, list[dict]] = {"trl": [], "ours": []}
+    for round_index in range(rounds):
+        for which in ("trl", "ours") if round_index % 2 == 0 else ("ours", "trl"):
+            runs[which].append(run(which, round_index))
+            print(f"round {round_index + 1}: {which} done", file=sys.stderr, flush=True)
+    return runs
+
+
+def compare(runs: dict[str, list[dict]], labels: dict[str, str]) -> None:
+    """Print each side's steps/s and generated tokens/s (CPU time, medians over rounds; records of
+    ``step_cpu_seconds`` and ``generated_tokens`` per timed step) and ours / TRL round by round."""
 
     def rates(run: dict) -> tuple[float, float]:
         seconds = sum(run["step_cpu_seconds"])
         return len(run["step_cpu_seconds"]) / seconds, sum(run["generated_tokens"]) / seconds
 
-    print(f"{args.batch_size} prompts x {args.num_generations} completions of up to {args.max_completion_length} "
-          f"tokens per step, {args.steps} timed steps, {args.rounds} rounds, {args.threads} thread(s)")  # fmt: skip
     print("| | steps / s (CPU time) | generated tokens / s | generated tokens / step |")
     print("|---|---|---|---|")
-    for name, label in (("trl", "TRL `GRPOTrainer` (HF generate)"), ("ours", "lit-memtrain `GRPOModule`")):
+    for name, label in labels.items():
         steps = statistics.median(rates(run)[0] for run in runs[name])
         tokens = statistics.median(rates(run)[1] for run in runs[name])
         per_step = statistics.median(statistics.fmean(run["generated_tokens"]) for run in runs[name])
@@ -211,8 +214,18 @@ def throughput(args: argparse.Namespace) -> None:
     token_ratios = [rates(o)[1] / rates(t)[1] for o, t in zip(runs["ours"], runs["trl"])]
     print(f"ours / TRL steps/s: {statistics.median(step_ratios):.2f}x (rounds {', '.join(f'{r:.2f}' for r in step_ratios)}); "
           f"generated tokens/s: {statistics.median(token_ratios):.2f}x (rounds {', '.join(f'{r:.2f}' for r in token_ratios)})")  # fmt: skip
-    print(f"wall time {time.perf_counter() - started:.0f} s")
 
+
+def throughput(args: argparse.Namespace) -> None:
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="grpo-bench-") as directory:
+        workdir = Path(directory)
+        model_dir, data = prepare(args, workdir)
+        runs = alternate(args.rounds, lambda which, r: run_worker(which, args, model_dir, data, workdir, f"{which}-{r}"))
+    print(f"{args.batch_size} prompts x {args.num_generations} completions of up to {args.max_completion_length} "
+          f"tokens per step, {args.steps} timed steps, {args.rounds} rounds, {args.threads} thread(s)")  # fmt: skip
+    compare(runs, {"trl": "TRL `GRPOTrainer` (HF generate)", "ours": "lit-memtrain `GRPOModule`"})
+    print(f"wall time {time.perf_counter() - started:.0f} s")
 
 def memory(args: argparse.Namespace) -> None:
     """The Qwen3-4B GRPO step of the module docstring, one technique added per row."""

@@ -20,6 +20,8 @@ Each run in its own process, alternating which goes first in ``--rounds`` rounds
 of ours / TRL steps per second (target >= 1.0x). Completions are sampled, so the runs generate different
 completions; the generated tokens per second is the rate that accounts for it.
 
+The saved model and prompts, the reward, the alternation and the report are ``benchmarks/grpo.py``'s.
+
 Run from the repository root (needs trl)::
 
     python benchmarks/online_dpo.py --rounds 3
@@ -30,23 +32,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import NoReturn
 
-
-def fail(message: str) -> NoReturn:
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(1)
-
-
-def token_sum_reward(completion_ids=None, completions=None, **kwargs) -> list[float]:
-    """The reward of a completion: the sum of its token ids mod 7 (TRL's ids are padded with 0: the same sum)."""
-    return [float(sum(ids) % 7) for ids in completion_ids]
+from grpo import alternate, compare, fail, prepare, token_sum_reward  # the same model, prompts, reward and report
 
 
 def worker_trl(args: argparse.Namespace) -> None:
@@ -158,65 +150,15 @@ def run_worker(which: str, args: argparse.Namespace, model_dir: Path, data: Path
     return json.loads(output.read_text())
 
 
-def prepare(args: argparse.Namespace, workdir: Path) -> tuple[Path, Path]:
-    """One random model and the tokenizer saved, and the prompts as JSON lines."""
-    import numpy as np
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from lit_memtrain.datamodules.embedded import EMBEDDED
-    from lit_memtrain.datamodules.tokenizer import load_tokenizer
-    from lit_memtrain.models.presets import build_config
-
-    tokenizer = load_tokenizer(EMBEDDED)
-    overrides = {"hidden_size": args.hidden, "intermediate_size": 3 * args.hidden, "num_hidden_layers": args.layers,
-                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": args.hidden // 4,
-                 "vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
-                 "eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id}  # fmt: skip
-    torch.manual_seed(args.seed)
-    model_dir = workdir / "model"
-    config = build_config("tiny-qwen3", overrides)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    rng = np.random.default_rng(args.seed)
-    words = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "plus", "is", "what"]
-    data = workdir / "prompts.jsonl"
-    with data.open("w") as f:
-        for length in np.clip(rng.lognormal(np.log(args.prompt_median), 0.5, args.prompts), 2, 64).astype(int):
-            f.write(json.dumps({"prompt": " ".join(rng.choice(words, int(length)))}) + "\n")
-    return model_dir, data
-
-
 def throughput(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="online-dpo-bench-") as directory:
         workdir = Path(directory)
         model_dir, data = prepare(args, workdir)
-        runs: dict[str, list[dict]] = {"trl": [], "ours": []}
-        for round_index in range(args.rounds):
-            for which in ("trl", "ours") if round_index % 2 == 0 else ("ours", "trl"):
-                runs[which].append(run_worker(which, args, model_dir, data, workdir, f"{which}-{round_index}"))
-                print(f"round {round_index + 1}: {which} done", file=sys.stderr, flush=True)
-
-    def rates(run: dict) -> tuple[float, float]:
-        seconds = sum(run["step_cpu_seconds"])
-        return len(run["step_cpu_seconds"]) / seconds, sum(run["generated_tokens"]) / seconds
-
+        runs = alternate(args.rounds, lambda which, r: run_worker(which, args, model_dir, data, workdir, f"{which}-{r}"))
     print(f"{args.batch_size} prompts x 2 completions of up to {args.max_new_tokens} tokens per step, {args.steps} "
           f"timed steps, {args.rounds} rounds, {args.threads} thread(s)")  # fmt: skip
-    print("| | steps / s (CPU time) | generated tokens / s | generated tokens / step |")
-    print("|---|---|---|---|")
-    for name, label in (("trl", "TRL `OnlineDPOTrainer` (HF generate)"), ("ours", "lit-memtrain `OnlineDPOModule`")):
-        steps = statistics.median(rates(run)[0] for run in runs[name])
-        tokens = statistics.median(rates(run)[1] for run in runs[name])
-        per_step = statistics.median(statistics.fmean(run["generated_tokens"]) for run in runs[name])
-        print(f"| {label} | {steps:.3f} | {tokens:,.0f} | {per_step:,.0f} |")
-    step_ratios = [rates(o)[0] / rates(t)[0] for o, t in zip(runs["ours"], runs["trl"])]
-    token_ratios = [rates(o)[1] / rates(t)[1] for o, t in zip(runs["ours"], runs["trl"])]
-    steps_text = ", ".join(f"{r:.2f}" for r in step_ratios)
-    tokens_text = ", ".join(f"{r:.2f}" for r in token_ratios)
-    print(f"ours / TRL steps/s: {statistics.median(step_ratios):.2f}x (rounds {steps_text}); "
-          f"generated tokens/s: {statistics.median(token_ratios):.2f}x (rounds {tokens_text})")
+    compare(runs, {"trl": "TRL `OnlineDPOTrainer` (HF generate)", "ours": "lit-memtrain `OnlineDPOModule`"})
     print(f"wall time {time.perf_counter() - started:.0f} s")
 
 

@@ -9,28 +9,20 @@ import pytest
 import torch
 from equivalence import TINY_MODEL_TERMS, assert_each_equal_up_to_rounding, assert_equal_up_to_rounding
 from lightning.pytorch import Callback, Trainer
+from tiny_models import save_tiny_causal_lm
 
 from lit_memtrain.datamodules.prompts import PromptDataModule
 from lit_memtrain.models.lora import LoraSettings
-from lit_memtrain.models.presets import build_config
 from lit_memtrain.objectives.online_dpo import OnlineDPOModule
 from lit_memtrain.objectives.rollout import Rollout
 
-OVERRIDES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-             "num_key_value_heads": 2, "head_dim": 16}
 PROMPTS = [[1, 274, 201, 19, 293, 313, 33, 2, 201, 1, 276, 201], [1, 274, 201, 25, 33, 2, 201, 1, 276, 201]]
 COMPLETIONS = [[40, 41, 2], [50, 51, 52, 53, 2], [60, 2], [70, 71, 72, 73]]
 
 
 @pytest.fixture(scope="module")
 def saved_model(tmp_path_factory, tokenizer):
-    from transformers import AutoModelForCausalLM
-
-    directory = tmp_path_factory.mktemp("online-dpo-module-model")
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(build_config("tiny-qwen3", {**OVERRIDES, "vocab_size": len(tokenizer)})) \
-        .save_pretrained(directory)
-    return str(directory)
+    return save_tiny_causal_lm(tmp_path_factory.mktemp("online-dpo-module-model"), tokenizer)
 
 
 def _prompts(count: int = 4) -> datasets.Dataset:

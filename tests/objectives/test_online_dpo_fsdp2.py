@@ -4,18 +4,13 @@ frozen reference sharded like the policy and completions generated from the shar
 
 from __future__ import annotations
 
-import os
 import random
-import time
-import traceback
 from pathlib import Path
 
 import datasets
-import pytest
 import torch
-import torch.multiprocessing as mp
 from equivalence import TINY_MODEL_TERMS, assert_equal_up_to_rounding
-from lightning.fabric.plugins.environments.lightning import find_free_network_port
+from gloo_ranks import run_on_gloo_ranks
 from lightning.pytorch import Callback, Trainer
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
@@ -95,34 +90,13 @@ def _trainer(record: Record, **options) -> Trainer:
                    enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", **options)
 
 
-def _worker(rank: int, out: Path, port: int) -> None:
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(WORLD),
-                       "NODE_RANK": "0", "LOCAL_RANK": str(rank)})
-    torch.set_num_threads(1)
-    try:
-        trainer = _trainer(Record(out / "sharded.pt"), devices=WORLD, strategy=FSDP2Strategy())
-        trainer.fit(_module(), datamodule=_datamodule(PROMPTS_PER_RANK))
-    except Exception:  # noqa: BLE001 - reported by the test
-        (out / f"rank{rank}.error").write_text(traceback.format_exc())
-        raise
+def _worker(rank: int, out: Path) -> None:
+    trainer = _trainer(Record(out / "sharded.pt"), devices=WORLD, strategy=FSDP2Strategy())
+    trainer.fit(_module(), datamodule=_datamodule(PROMPTS_PER_RANK))
 
 
 def test_sharded_online_dpo_matches_one_process(tmp_path):
-    context = mp.start_processes(_worker, args=(tmp_path, find_free_network_port()), nprocs=WORLD, join=False,
-                                 start_method="fork")
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not context.join(timeout=max(1.0, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the two FSDP2 processes did not finish within {TIMEOUT_S} s")
-    except Exception:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-        if not list(tmp_path.glob("*.error")):
-            raise
-    for error in sorted(tmp_path.glob("*.error")):
-        pytest.fail(f"the distributed run failed on {error.stem}:\n{error.read_text()}")
+    run_on_gloo_ranks(_worker, (tmp_path,), world=WORLD, errors=tmp_path, timeout_s=TIMEOUT_S)
     sharded = torch.load(tmp_path / "sharded.pt", weights_only=True)
 
     # One process, each step on both ranks' prompts in the order their samplers give them.

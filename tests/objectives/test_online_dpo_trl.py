@@ -14,6 +14,7 @@ import pytest
 import torch
 from equivalence import TINY_MODEL_TERMS, assert_each_equal_up_to_rounding, assert_equal_up_to_rounding
 from lightning.pytorch import Trainer
+from tiny_models import TINY_OVERRIDES, save_tiny_causal_lm
 
 from lit_memtrain.datamodules.prompts import PromptDataModule
 from lit_memtrain.models.generation import GenerationBackend, SamplingSettings
@@ -21,8 +22,6 @@ from lit_memtrain.models.presets import build_config
 from lit_memtrain.objectives.online_dpo import OnlineDPOModule
 from lit_memtrain.objectives.reward_model_function import RewardModelFunction
 
-OVERRIDES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-             "num_key_value_heads": 2, "head_dim": 16}
 QUESTIONS = ["What is 12 + 30?", "Reverse the word cat.", "What is 7 + 8 + 9?"]
 EOS, MAX_NEW_TOKENS = 2, 6
 # Two completions per prompt, adjacent (our layout): ended at different lengths, and two truncated (no EOS in 6).
@@ -46,12 +45,11 @@ def _prompts() -> datasets.Dataset:
 @pytest.fixture(scope="module")
 def saved_models(tmp_path_factory, tokenizer):
     """A policy and a reward model (one-output sequence classification of the same tiny architecture)."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification
 
     directory = tmp_path_factory.mktemp("online-dpo-models")
-    config = build_config("tiny-qwen3", {**OVERRIDES, "vocab_size": len(tokenizer)})
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory / "policy")
+    save_tiny_causal_lm(directory / "policy", tokenizer)
+    config = build_config("tiny-qwen3", {**TINY_OVERRIDES, "vocab_size": len(tokenizer)})
     config.num_labels, config.pad_token_id = 1, tokenizer.pad_token_id
     torch.manual_seed(1)
     AutoModelForSequenceClassification.from_config(config).save_pretrained(directory / "reward")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datasets
 from lightning.pytorch import Trainer
+from tiny_models import TINY_OVERRIDES
 
 from lit_memtrain.callbacks import MemoryPlanCheck
 from lit_memtrain.datamodules.prompts import PromptDataModule
@@ -14,14 +15,12 @@ from lit_memtrain.planner.fit_config import settings_from_config
 from lit_memtrain.planner.generation import GenerationPlan
 from lit_memtrain.planner.settings import CAUSAL_LM_MODULE
 
-OVERRIDES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-             "num_key_value_heads": 2, "head_dim": 16}
 
 
 def _config(**model) -> dict:
     return {
         "model": {"class_path": "lit_memtrain.OnlineDPOModule",
-                  "init_args": {"preset": "tiny-qwen3", "config_overrides": OVERRIDES, "max_new_tokens": 100,
+                  "init_args": {"preset": "tiny-qwen3", "config_overrides": TINY_OVERRIDES, "max_new_tokens": 100,
                                 "reward_funcs": ["x.y"], **model}},
         "data": {"class_path": "lit_memtrain.datamodules.PromptDataModule",
                  "init_args": {"max_prompt_length": 28, "batch_size": 3}},
@@ -41,7 +40,7 @@ def test_an_online_dpo_fit_is_planned_as_its_pairs_and_one_training_slice():
 
 def test_memory_plan_check_plans_an_online_dpo_fit_with_its_generation_phase():
     """128 completions of 1,536 tokens generated, then trained together: the training slice is the peak."""
-    module = OnlineDPOModule(preset="tiny-qwen3", config_overrides=OVERRIDES, tokenizer="lit-memtrain/embedded",
+    module = OnlineDPOModule(preset="tiny-qwen3", config_overrides=TINY_OVERRIDES, tokenizer="lit-memtrain/embedded",
                              reward_funcs=[lambda completions, **kw: [0.0] * len(completions)], max_new_tokens=1024,
                              max_length=1536, lora=LoraSettings(r=4, alpha=8))
     check = MemoryPlanCheck(gpu_memory_gib=1.0)
