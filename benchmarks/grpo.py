@@ -184,17 +184,6 @@ def prepare(args: argparse.Namespace, workdir: Path) -> tuple[Path, Path]:
     return model_dir, data
 
 
-def alternate(rounds: int, run: Callable[[str, int], dict]) -> dict[str, list[dict]]:
-    """``run(which, round)`` for ``"trl"`` and ``"ours"`` once per round, alternating which goes first; the records
-    of each, round by round."""
-    runs: dict[str, list[dict]] = {"trl": [], "ours": []}
-    for round_index in range(rounds):
-        for which in ("trl", "ours") if round_index % 2 == 0 else ("ours", "trl"):
-            runs[which].append(run(which, round_index))
-            print(f"round {round_index + 1}: {which} done", file=sys.stderr, flush=True)
-    return runs
-
-
 def compare(runs: dict[str, list[dict]], labels: dict[str, str]) -> None:
     """Print each side's steps/s and generated tokens/s (CPU time, medians over rounds; records of
     ``step_cpu_seconds`` and ``generated_tokens`` per timed step) and ours / TRL round by round."""
@@ -216,16 +205,29 @@ def compare(runs: dict[str, list[dict]], labels: dict[str, str]) -> None:
           f"generated tokens/s: {statistics.median(token_ratios):.2f}x (rounds {', '.join(f'{r:.2f}' for r in token_ratios)})")  # fmt: skip
 
 
-def throughput(args: argparse.Namespace) -> None:
+def side_by_side(args: argparse.Namespace, run_worker: Callable[..., dict], labels: dict[str, str], setup: str) -> None:
+    """The saved model and prompts (:func:`prepare`), ``run_worker(which, args, model_dir, data, workdir, tag)`` for
+    ``"trl"`` and ``"ours"`` once per round, alternating which goes first, then :func:`compare` under ``setup``."""
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="grpo-bench-") as directory:
+    runs: dict[str, list[dict]] = {"trl": [], "ours": []}
+    with tempfile.TemporaryDirectory(prefix="bench-") as directory:
         workdir = Path(directory)
         model_dir, data = prepare(args, workdir)
-        runs = alternate(args.rounds, lambda which, r: run_worker(which, args, model_dir, data, workdir, f"{which}-{r}"))
-    print(f"{args.batch_size} prompts x {args.num_generations} completions of up to {args.max_completion_length} "
-          f"tokens per step, {args.steps} timed steps, {args.rounds} rounds, {args.threads} thread(s)")  # fmt: skip
-    compare(runs, {"trl": "TRL `GRPOTrainer` (HF generate)", "ours": "lit-memtrain `GRPOModule`"})
+        for round_index in range(args.rounds):
+            for which in ("trl", "ours") if round_index % 2 == 0 else ("ours", "trl"):
+                runs[which].append(run_worker(which, args, model_dir, data, workdir, f"{which}-{round_index}"))
+                print(f"round {round_index + 1}: {which} done", file=sys.stderr, flush=True)
+    print(setup)
+    compare(runs, labels)
     print(f"wall time {time.perf_counter() - started:.0f} s")
+
+
+def throughput(args: argparse.Namespace) -> None:
+    setup = (f"{args.batch_size} prompts x {args.num_generations} completions of up to {args.max_completion_length} "
+             f"tokens per step, {args.steps} timed steps, {args.rounds} rounds, {args.threads} thread(s)")  # fmt: skip
+    side_by_side(args, run_worker, {"trl": "TRL `GRPOTrainer` (HF generate)", "ours": "lit-memtrain `GRPOModule`"},
+                 setup)  # fmt: skip
+
 
 def memory(args: argparse.Namespace) -> None:
     """The Qwen3-4B GRPO step of the module docstring, one technique added per row."""
@@ -296,17 +298,11 @@ def generation(args: argparse.Namespace) -> None:
     print(f"greedy completions equal: {results['generate'] == results['continuous batching']}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--memory", action="store_true", help="the simulated memory table instead of throughput")
-    parser.add_argument("--generation", action="store_true",
-                        help="generate against continuous batching on the CPU instead of throughput")
+def add_side_by_side_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of :func:`side_by_side` (rounds, steps, the model and prompts, threads) and of its workers."""
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup-steps", type=int, default=1)
-    parser.add_argument("--batch-size", type=int, default=4, help="prompts per step")
-    parser.add_argument("--num-generations", type=int, default=8)
-    parser.add_argument("--max-completion-length", type=int, default=48)
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--prompt-median", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=256)
@@ -318,6 +314,17 @@ def main() -> None:
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
     parser.add_argument("--output", help=argparse.SUPPRESS)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--memory", action="store_true", help="the simulated memory table instead of throughput")
+    parser.add_argument("--generation", action="store_true",
+                        help="generate against continuous batching on the CPU instead of throughput")
+    parser.add_argument("--batch-size", type=int, default=4, help="prompts per step")
+    parser.add_argument("--num-generations", type=int, default=8)
+    parser.add_argument("--max-completion-length", type=int, default=48)
+    add_side_by_side_arguments(parser)
     args = parser.parse_args()
     if args.worker == "trl":
         worker_trl(args)

@@ -34,11 +34,10 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from grpo import alternate, compare, fail, prepare, token_sum_reward  # the same model, prompts, reward and report
+from grpo import add_side_by_side_arguments, fail, side_by_side, token_sum_reward  # the GRPO benchmark's method
 
 
 def worker_trl(args: argparse.Namespace) -> None:
@@ -151,35 +150,17 @@ def run_worker(which: str, args: argparse.Namespace, model_dir: Path, data: Path
 
 
 def throughput(args: argparse.Namespace) -> None:
-    started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="online-dpo-bench-") as directory:
-        workdir = Path(directory)
-        model_dir, data = prepare(args, workdir)
-        runs = alternate(args.rounds, lambda which, r: run_worker(which, args, model_dir, data, workdir, f"{which}-{r}"))
-    print(f"{args.batch_size} prompts x 2 completions of up to {args.max_new_tokens} tokens per step, {args.steps} "
-          f"timed steps, {args.rounds} rounds, {args.threads} thread(s)")  # fmt: skip
-    compare(runs, {"trl": "TRL `OnlineDPOTrainer` (HF generate)", "ours": "lit-memtrain `OnlineDPOModule`"})
-    print(f"wall time {time.perf_counter() - started:.0f} s")
+    setup = (f"{args.batch_size} prompts x 2 completions of up to {args.max_new_tokens} tokens per step, {args.steps} "
+             f"timed steps, {args.rounds} rounds, {args.threads} thread(s)")  # fmt: skip
+    labels = {"trl": "TRL `OnlineDPOTrainer` (HF generate)", "ours": "lit-memtrain `OnlineDPOModule`"}
+    side_by_side(args, run_worker, labels, setup)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--warmup-steps", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=8, help="prompts per step")
     parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--prompts", type=int, default=256)
-    parser.add_argument("--prompt-median", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--learning-rate", type=float, default=1e-5)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--worker", choices=("trl", "ours"), help=argparse.SUPPRESS)
-    parser.add_argument("--model", help=argparse.SUPPRESS)
-    parser.add_argument("--data", help=argparse.SUPPRESS)
-    parser.add_argument("--output", help=argparse.SUPPRESS)
+    add_side_by_side_arguments(parser)
     args = parser.parse_args()
     if args.worker == "trl":
         worker_trl(args)

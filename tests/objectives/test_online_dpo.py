@@ -168,3 +168,18 @@ def test_completions_that_never_end_are_reported_with_the_count_penalised(saved_
                       r"max_new_tokens=2 .* missing_eos_penalty=2.0 lowered all 4 scores"):
         record = _fit(module, max_steps=1)
     assert record.metrics[0]["train/val/contain_eos_token"] == 0.0
+
+
+def _one(completions, **kwargs):
+    return [1.0] * len(completions)
+
+
+def test_validation_logs_the_penalised_scores_over_the_validation_prompts(saved_model):
+    module = _module(saved_model, reward_funcs=[_one], missing_eos_penalty=2.0, max_new_tokens=2)  # none ends
+    trainer = Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, val_check_interval=1,
+                      check_val_every_n_epoch=None, limit_val_batches=1)
+    with pytest.warns(UserWarning, match="None of the"):
+        trainer.fit(module, datamodule=PromptDataModule(dataset=_prompts(), batch_size=2, val_size=2, seed=0))
+    assert float(trainer.callback_metrics["val/objective/scores"]) == 1.0 - 2.0
+    assert float(trainer.callback_metrics["val/contain_eos_token"]) == 0.0
