@@ -170,8 +170,9 @@ class OnlineDPOModule(OnlineRLModule):
         # Hyper-parameters are written to checkpoints and loggers: callables and a backend object by name.
         if self.reward_functions is not None:
             self.hparams["reward_funcs"] = [callable_path(function) for function in self.reward_functions.functions]
-        if judge is not None and not isinstance(judge, str):
-            self.hparams["judge"] = callable_path(judge)
+        if judge is not None and not isinstance(judge, str):  # a judge object is named, and must be passed again
+            described = f"<a {type(judge).__name__} object: pass it again as judge>"
+            self.hparams["judge"] = callable_path(judge) if hasattr(judge, "__qualname__") else described
         if not isinstance(generation_backend, str):
             self.hparams["generation_backend"] = type(generation_backend).__name__
         self._backend_ready = False

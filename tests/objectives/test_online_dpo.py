@@ -113,6 +113,7 @@ def test_lora_reference_is_the_base_model_and_a_pairwise_judge_trains(saved_mode
     module = _module(saved_model, judge=judge, lora=LoraSettings(r=4, alpha=8), max_new_tokens=5)
     record = _fit(module)
     assert module._reference_model is None  # no copy: the adapter disabled is the reference
+    assert module.hparams.judge == "<a PrefersShorter object: pass it again as judge>"  # what checkpoints hold
     assert judge.calls == [(2, 2), (2, 2)]  # each step: its 2 prompts and their 2 pairs
     first, last = record.metrics[0], record.metrics[-1]
     assert first["train/objective/kl"] == 0.0  # B = 0 at the start: the policy is the base model
