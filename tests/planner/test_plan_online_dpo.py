@@ -39,16 +39,15 @@ def test_an_online_dpo_fit_is_planned_as_its_pairs_and_one_training_slice():
 
 
 def test_memory_plan_check_plans_an_online_dpo_fit_with_its_generation_phase():
-    """128 completions of 1,536 tokens generated, then trained together: the training slice is the peak."""
+    """16 completions of 192 tokens generated, then trained together: the training slice is the peak."""
     module = OnlineDPOModule(preset="tiny-qwen3", config_overrides=TINY_OVERRIDES, tokenizer="lit-memtrain/embedded",
-                             reward_funcs=[lambda completions, **kw: [0.0] * len(completions)], max_new_tokens=1024,
-                             max_length=1536, lora=LoraSettings(r=4, alpha=8))
+                             reward_funcs=[lambda completions, **kw: [0.0] * len(completions)], max_new_tokens=128,
+                             max_length=192, lora=LoraSettings(r=4, alpha=8))
     check = MemoryPlanCheck(gpu_memory_gib=1.0)
     trainer = Trainer(max_steps=0, accelerator="cpu", logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, callbacks=[check])
     prompts = datasets.Dataset.from_list([{"prompt": f"{i} plus {i}"} for i in range(4)])
-    trainer.fit(module, datamodule=PromptDataModule(dataset=prompts, batch_size=64, max_prompt_length=512))
-    kv_cache = 128 * 1536 * (2 * 2 * 16 * 4) * 3  # fp32 (32-true), 2 layers and one more
-    assert any("2 completions" in note and f"kv_cache {kv_cache / 2**30:,.2f} GiB" in note
-               for note in check.plan["notes"])
-    assert check.plan["phase"] != "generation (transformers)"  # 128 sequences of 1,536 tokens trained at once
+    trainer.fit(module, datamodule=PromptDataModule(dataset=prompts, batch_size=8, max_prompt_length=64))
+    planned = "transformers generation of 8 prompts x 2 completions (64 + 128 tokens) before training on 16 completions"
+    assert any(planned in note and "kv_cache" in note for note in check.plan["notes"]), check.plan["notes"]
+    assert check.plan["phase"] != "generation (transformers)"  # 16 sequences of 192 tokens trained at once
