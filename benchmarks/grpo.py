@@ -99,10 +99,8 @@ def worker_trl(args: argparse.Namespace) -> None:
 
 
 def worker_ours(args: argparse.Namespace) -> None:
-    import torch
-    from lightning.pytorch import Callback, Trainer, seed_everything
+    from lightning.pytorch import Callback, seed_everything
 
-    from lit_memtrain.datamodules.prompts import PromptDataModule
     from lit_memtrain.objectives.grpo import GRPOModule
 
     seed_everything(args.seed)
@@ -125,9 +123,20 @@ def worker_ours(args: argparse.Namespace) -> None:
         policy_loss="dapo", beta=0.0, learning_rate=args.learning_rate, weight_decay=0.0, warmup=0, min_lr_ratio=1.0,
         max_grad_norm=1.0, optimizer={"class_path": "torch.optim.AdamW", "init_args": {"fused": True}},
     )  # fmt: skip
+    fit_ours(module, args, Timer(), records)
+
+
+def fit_ours(module, args: argparse.Namespace, timer, records: dict[str, list]) -> None:
+    """Fit ``module`` (ours) on the prompts for the warm-up and timed steps, one CPU process in fp32, ``timer``
+    recording into ``records``; write them to ``args.output``."""
+    import torch
+    from lightning.pytorch import Trainer
+
+    from lit_memtrain.datamodules.prompts import PromptDataModule
+
     trainer = Trainer(
         max_steps=args.warmup_steps + args.steps, accelerator="cpu", devices=1, precision="32-true", logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[Timer()],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
     )  # fmt: skip
     data = PromptDataModule(tokenizer=args.model, dataset="json", data_files=args.data, max_prompt_length=None,
                             batch_size=args.batch_size, seed=args.seed)  # fmt: skip

@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from grpo import add_side_by_side_arguments, fail, side_by_side, token_sum_reward  # the GRPO benchmark's method
+from grpo import add_side_by_side_arguments, fail, fit_ours, side_by_side, token_sum_reward  # its method
 
 
 def worker_trl(args: argparse.Namespace) -> None:
@@ -87,10 +87,8 @@ def worker_trl(args: argparse.Namespace) -> None:
 
 
 def worker_ours(args: argparse.Namespace) -> None:
-    import torch
-    from lightning.pytorch import Callback, Trainer, seed_everything
+    from lightning.pytorch import Callback, seed_everything
 
-    from lit_memtrain.datamodules.prompts import PromptDataModule
     from lit_memtrain.objectives.online_dpo import OnlineDPOModule
 
     seed_everything(args.seed)
@@ -119,15 +117,7 @@ def worker_ours(args: argparse.Namespace) -> None:
         learning_rate=args.learning_rate, weight_decay=0.0, warmup=0, min_lr_ratio=1.0, max_grad_norm=1.0,
         optimizer={"class_path": "torch.optim.AdamW", "init_args": {"fused": True}},
     )  # fmt: skip
-    trainer = Trainer(
-        max_steps=args.warmup_steps + args.steps, accelerator="cpu", devices=1, precision="32-true", logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[Timer()],
-    )  # fmt: skip
-    data = PromptDataModule(tokenizer=args.model, dataset="json", data_files=args.data, max_prompt_length=None,
-                            batch_size=args.batch_size, seed=args.seed)  # fmt: skip
-    torch.manual_seed(args.seed)
-    trainer.fit(module, datamodule=data)
-    Path(args.output).write_text(json.dumps(records))
+    fit_ours(module, args, Timer(), records)
 
 
 def run_worker(which: str, args: argparse.Namespace, model_dir: Path, data: Path, workdir: Path, tag: str) -> dict:
