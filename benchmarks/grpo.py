@@ -146,16 +146,24 @@ def fit_ours(module, args: argparse.Namespace, timer, records: dict[str, list]) 
 
 
 def run_worker(which: str, args: argparse.Namespace, model_dir: Path, data: Path, workdir: Path, tag: str) -> dict:
+    options = ["--batch-size", str(args.batch_size), "--num-generations", str(args.num_generations),
+               "--max-completion-length", str(args.max_completion_length)]  # fmt: skip
+    return run_script(__file__, which, args, model_dir, data, workdir, tag, options)
+
+
+def run_script(script: str, which: str, args: argparse.Namespace, model_dir: Path, data: Path, workdir: Path, tag: str,
+               options: list[str]) -> dict:  # fmt: skip
+    """Run ``script``'s ``which`` worker in a process of its own on ``args.threads`` threads, with the shared options
+    and ``options``; its records, or exit with the last lines of its log."""
     output = workdir / f"{tag}.json"
     output.unlink(missing_ok=True)
     command = [
-        sys.executable, str(Path(__file__).resolve()), "--worker", which, "--model", str(model_dir), "--data",
-        str(data), "--output", str(output), "--batch-size", str(args.batch_size), "--num-generations",
-        str(args.num_generations), "--max-completion-length", str(args.max_completion_length), "--steps",
-        str(args.steps), "--warmup-steps", str(args.warmup_steps), "--learning-rate", str(args.learning_rate),
-        "--seed", str(args.seed),
+        sys.executable, str(Path(script).resolve()), "--worker", which, "--model", str(model_dir), "--data",
+        str(data), "--output", str(output), "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps),
+        "--learning-rate", str(args.learning_rate), "--seed", str(args.seed), *options,
     ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false",
+               TRL_EXPERIMENTAL_SILENCE="1")  # fmt: skip
     log = workdir / f"{tag}.log"
     with log.open("w") as log_file:
         finished = subprocess.run(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)

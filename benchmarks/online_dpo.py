@@ -31,13 +31,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from grpo import add_side_by_side_arguments, fail, fit_ours, side_by_side, token_sum_reward  # its method
+from grpo import add_side_by_side_arguments, fit_ours, run_script, side_by_side, token_sum_reward  # its method
 
 
 def worker_trl(args: argparse.Namespace) -> None:
@@ -121,22 +118,8 @@ def worker_ours(args: argparse.Namespace) -> None:
 
 
 def run_worker(which: str, args: argparse.Namespace, model_dir: Path, data: Path, workdir: Path, tag: str) -> dict:
-    output = workdir / f"{tag}.json"
-    command = [
-        sys.executable, str(Path(__file__).resolve()), "--worker", which, "--model", str(model_dir), "--data",
-        str(data), "--output", str(output), "--batch-size", str(args.batch_size), "--max-new-tokens",
-        str(args.max_new_tokens), "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps),
-        "--learning-rate", str(args.learning_rate), "--seed", str(args.seed),
-    ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false",
-               TRL_EXPERIMENTAL_SILENCE="1")  # fmt: skip
-    log = workdir / f"{tag}.log"
-    with log.open("w") as log_file:
-        finished = subprocess.run(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
-    if finished.returncode != 0 or not output.exists():
-        tail = "\n".join(log.read_text().splitlines()[-30:])
-        fail(f"the {which} run exited with {finished.returncode}; last lines of {log}:\n{tail}")
-    return json.loads(output.read_text())
+    options = ["--batch-size", str(args.batch_size), "--max-new-tokens", str(args.max_new_tokens)]
+    return run_script(__file__, which, args, model_dir, data, workdir, tag, options)
 
 
 def throughput(args: argparse.Namespace) -> None:

@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
+from torch.distributed.tensor import DTensor
 
 
 def _rank(rank: int, worker: Callable[..., Any], args: tuple, world: int, port: int, errors: Path) -> None:
@@ -54,3 +55,8 @@ def run_on_gloo_ranks(worker: Callable[..., Any], args: tuple, world: int, error
             raise
     for error in sorted(errors.glob("*.error")):
         pytest.fail(f"the distributed run failed on {error.stem}:\n{error.read_text()}")
+
+
+def whole_on_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` on the host, whole: a sharded parameter or gradient (DTensor) gathered from every rank."""
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu().clone()

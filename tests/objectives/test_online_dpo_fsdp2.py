@@ -10,9 +10,8 @@ from pathlib import Path
 import datasets
 import torch
 from equivalence import TINY_MODEL_TERMS, assert_equal_up_to_rounding
-from gloo_ranks import run_on_gloo_ranks
+from gloo_ranks import run_on_gloo_ranks, whole_on_host
 from lightning.pytorch import Callback, Trainer
-from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from lit_memtrain.datamodules.embedded import make_arithmetic_prompt
@@ -64,10 +63,6 @@ def _datamodule(batch_size: int) -> PromptDataModule:
     return PromptDataModule(dataset=data, batch_size=batch_size, seed=SEED, max_prompt_length=None)
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu().clone()
-
-
 class Record(Callback):
     def __init__(self, path: Path) -> None:
         self.path, self.gradients, self.logged = path, None, []
@@ -77,10 +72,11 @@ class Record(Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.gradients is None:
-            self.gradients = {n: _full(p.grad) for n, p in pl_module.named_parameters() if p.grad is not None}
+            parameters = pl_module.named_parameters()
+            self.gradients = {n: whole_on_host(p.grad) for n, p in parameters if p.grad is not None}
 
     def on_train_end(self, trainer, pl_module) -> None:
-        weights = {n: _full(p) for n, p in pl_module.named_parameters()}
+        weights = {n: whole_on_host(p) for n, p in pl_module.named_parameters()}
         if trainer.is_global_zero:
             torch.save({"gradients": self.gradients, "weights": weights, "logged": self.logged}, self.path)
 
