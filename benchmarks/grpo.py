@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
@@ -98,10 +99,8 @@ def worker_trl(args: argparse.Namespace) -> None:
 
 
 def worker_ours(args: argparse.Namespace) -> None:
-    import torch
-    from lightning.pytorch import Callback, Trainer, seed_everything
+    from lightning.pytorch import Callback, seed_everything
 
-    from lit_memtrain.datamodules.prompts import PromptDataModule
     from lit_memtrain.objectives.grpo import GRPOModule
 
     seed_everything(args.seed)
@@ -124,9 +123,20 @@ def worker_ours(args: argparse.Namespace) -> None:
         policy_loss="dapo", beta=0.0, learning_rate=args.learning_rate, weight_decay=0.0, warmup=0, min_lr_ratio=1.0,
         max_grad_norm=1.0, optimizer={"class_path": "torch.optim.AdamW", "init_args": {"fused": True}},
     )  # fmt: skip
+    fit_ours(module, args, Timer(), records)
+
+
+def fit_ours(module, args: argparse.Namespace, timer, records: dict[str, list]) -> None:
+    """Fit ``module`` (ours) on the prompts for the warm-up and timed steps, one CPU process in fp32, ``timer``
+    recording into ``records``; write them to ``args.output``."""
+    import torch
+    from lightning.pytorch import Trainer
+
+    from lit_memtrain.datamodules.prompts import PromptDataModule
+
     trainer = Trainer(
         max_steps=args.warmup_steps + args.steps, accelerator="cpu", devices=1, precision="32-true", logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[Timer()],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
     )  # fmt: skip
     data = PromptDataModule(tokenizer=args.model, dataset="json", data_files=args.data, max_prompt_length=None,
                             batch_size=args.batch_size, seed=args.seed)  # fmt: skip
@@ -136,16 +146,24 @@ def worker_ours(args: argparse.Namespace) -> None:
 
 
 def run_worker(which: str, args: argparse.Namespace, model_dir: Path, data: Path, workdir: Path, tag: str) -> dict:
+    options = ["--batch-size", str(args.batch_size), "--num-generations", str(args.num_generations),
+               "--max-completion-length", str(args.max_completion_length)]  # fmt: skip
+    return run_script(__file__, which, args, model_dir, data, workdir, tag, options)
+
+
+def run_script(script: str, which: str, args: argparse.Namespace, model_dir: Path, data: Path, workdir: Path, tag: str,
+               options: list[str]) -> dict:  # fmt: skip
+    """Run ``script``'s ``which`` worker in a process of its own on ``args.threads`` threads, with the shared options
+    and ``options``; its records, or exit with the last lines of its log."""
     output = workdir / f"{tag}.json"
     output.unlink(missing_ok=True)
     command = [
-        sys.executable, str(Path(__file__).resolve()), "--worker", which, "--model", str(model_dir), "--data",
-        str(data), "--output", str(output), "--batch-size", str(args.batch_size), "--num-generations",
-        str(args.num_generations), "--max-completion-length", str(args.max_completion_length), "--steps",
-        str(args.steps), "--warmup-steps", str(args.warmup_steps), "--learning-rate", str(args.learning_rate),
-        "--seed", str(args.seed),
+        sys.executable, str(Path(script).resolve()), "--worker", which, "--model", str(model_dir), "--data",
+        str(data), "--output", str(output), "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps),
+        "--learning-rate", str(args.learning_rate), "--seed", str(args.seed), *options,
     ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false",
+               TRL_EXPERIMENTAL_SILENCE="1")  # fmt: skip
     log = workdir / f"{tag}.log"
     with log.open("w") as log_file:
         finished = subprocess.run(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
@@ -183,26 +201,17 @@ def prepare(args: argparse.Namespace, workdir: Path) -> tuple[Path, Path]:
     return model_dir, data
 
 
-def throughput(args: argparse.Namespace) -> None:
-    started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="grpo-bench-") as directory:
-        workdir = Path(directory)
-        model_dir, data = prepare(args, workdir)
-        runs: dict[str, list[dict]] = {"trl": [], "ours": []}
-        for round_index in range(args.rounds):
-            for which in ("trl", "ours") if round_index % 2 == 0 else ("ours", "trl"):
-                runs[which].append(run_worker(which, args, model_dir, data, workdir, f"{which}-{round_index}"))
-                print(f"round {round_index + 1}: {which} done", file=sys.stderr, flush=True)
+def compare(runs: dict[str, list[dict]], labels: dict[str, str]) -> None:
+    """Print each side's steps/s and generated tokens/s (CPU time, medians over rounds; records of
+    ``step_cpu_seconds`` and ``generated_tokens`` per timed step) and ours / TRL round by round."""
 
     def rates(run: dict) -> tuple[float, float]:
         seconds = sum(run["step_cpu_seconds"])
         return len(run["step_cpu_seconds"]) / seconds, sum(run["generated_tokens"]) / seconds
 
-    print(f"{args.batch_size} prompts x {args.num_generations} completions of up to {args.max_completion_length} "
-          f"tokens per step, {args.steps} timed steps, {args.rounds} rounds, {args.threads} thread(s)")  # fmt: skip
     print("| | steps / s (CPU time) | generated tokens / s | generated tokens / step |")
     print("|---|---|---|---|")
-    for name, label in (("trl", "TRL `GRPOTrainer` (HF generate)"), ("ours", "lit-memtrain `GRPOModule`")):
+    for name, label in labels.items():
         steps = statistics.median(rates(run)[0] for run in runs[name])
         tokens = statistics.median(rates(run)[1] for run in runs[name])
         per_step = statistics.median(statistics.fmean(run["generated_tokens"]) for run in runs[name])
@@ -211,7 +220,30 @@ def throughput(args: argparse.Namespace) -> None:
     token_ratios = [rates(o)[1] / rates(t)[1] for o, t in zip(runs["ours"], runs["trl"])]
     print(f"ours / TRL steps/s: {statistics.median(step_ratios):.2f}x (rounds {', '.join(f'{r:.2f}' for r in step_ratios)}); "
           f"generated tokens/s: {statistics.median(token_ratios):.2f}x (rounds {', '.join(f'{r:.2f}' for r in token_ratios)})")  # fmt: skip
+
+
+def side_by_side(args: argparse.Namespace, run_worker: Callable[..., dict], labels: dict[str, str], setup: str) -> None:
+    """The saved model and prompts (:func:`prepare`), ``run_worker(which, args, model_dir, data, workdir, tag)`` for
+    ``"trl"`` and ``"ours"`` once per round, alternating which goes first, then :func:`compare` under ``setup``."""
+    started = time.perf_counter()
+    runs: dict[str, list[dict]] = {"trl": [], "ours": []}
+    with tempfile.TemporaryDirectory(prefix="bench-") as directory:
+        workdir = Path(directory)
+        model_dir, data = prepare(args, workdir)
+        for round_index in range(args.rounds):
+            for which in ("trl", "ours") if round_index % 2 == 0 else ("ours", "trl"):
+                runs[which].append(run_worker(which, args, model_dir, data, workdir, f"{which}-{round_index}"))
+                print(f"round {round_index + 1}: {which} done", file=sys.stderr, flush=True)
+    print(setup)
+    compare(runs, labels)
     print(f"wall time {time.perf_counter() - started:.0f} s")
+
+
+def throughput(args: argparse.Namespace) -> None:
+    setup = (f"{args.batch_size} prompts x {args.num_generations} completions of up to {args.max_completion_length} "
+             f"tokens per step, {args.steps} timed steps, {args.rounds} rounds, {args.threads} thread(s)")  # fmt: skip
+    side_by_side(args, run_worker, {"trl": "TRL `GRPOTrainer` (HF generate)", "ours": "lit-memtrain `GRPOModule`"},
+                 setup)  # fmt: skip
 
 
 def memory(args: argparse.Namespace) -> None:
@@ -283,17 +315,11 @@ def generation(args: argparse.Namespace) -> None:
     print(f"greedy completions equal: {results['generate'] == results['continuous batching']}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--memory", action="store_true", help="the simulated memory table instead of throughput")
-    parser.add_argument("--generation", action="store_true",
-                        help="generate against continuous batching on the CPU instead of throughput")
+def add_side_by_side_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of :func:`side_by_side` (rounds, steps, the model and prompts, threads) and of its workers."""
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup-steps", type=int, default=1)
-    parser.add_argument("--batch-size", type=int, default=4, help="prompts per step")
-    parser.add_argument("--num-generations", type=int, default=8)
-    parser.add_argument("--max-completion-length", type=int, default=48)
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--prompt-median", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=256)
@@ -305,6 +331,17 @@ def main() -> None:
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
     parser.add_argument("--output", help=argparse.SUPPRESS)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--memory", action="store_true", help="the simulated memory table instead of throughput")
+    parser.add_argument("--generation", action="store_true",
+                        help="generate against continuous batching on the CPU instead of throughput")
+    parser.add_argument("--batch-size", type=int, default=4, help="prompts per step")
+    parser.add_argument("--num-generations", type=int, default=8)
+    parser.add_argument("--max-completion-length", type=int, default=48)
+    add_side_by_side_arguments(parser)
     args = parser.parse_args()
     if args.worker == "trl":
         worker_trl(args)

@@ -5,6 +5,7 @@ from lit_memtrain.datamodules.preference import PreferenceDataModule
 from lit_memtrain.datamodules.sft import SFTDataModule
 from lit_memtrain.objectives.dpo import DPOModule
 from lit_memtrain.objectives.grpo import GRPOModule
+from lit_memtrain.objectives.online_dpo import OnlineDPOModule
 from lit_memtrain.objectives.rloo import RLOOModule
 from lit_memtrain.models.layers import find_decoder_layers
 from lit_memtrain.techniques.loss import chunked_cross_entropy, cross_entropy
@@ -17,6 +18,7 @@ __all__ = [
     "CausalLMModule",
     "DPOModule",
     "GRPOModule",
+    "OnlineDPOModule",
     "PreferenceDataModule",
     "RLOOModule",
     "RewardModule",

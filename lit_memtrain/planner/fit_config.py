@@ -92,15 +92,17 @@ def settings_from_config(config: dict[str, Any]) -> PlanSettings:
 
 
 def _is_grpo(model_class: str | type) -> bool:
-    from lit_memtrain.objectives.grpo import GRPOModule
+    """An online method's module (GRPO, RLOO, Online DPO): planned with its generation phase."""
+    from lit_memtrain.objectives.online_rl import OnlineRLModule
 
-    return issubclass(_resolve(model_class, "model"), GRPOModule)
+    return issubclass(_resolve(model_class, "model"), OnlineRLModule)
 
 
 def _grpo_settings(
     model_class: str | type, model: dict[str, Any], data_class: str, data: dict[str, Any], trainer: dict[str, Any]
 ) -> PlanSettings:
-    """A GRPO / RLOO fit's settings (:mod:`lit_memtrain.planner.generation`): its training step and generation."""
+    """A GRPO / RLOO / Online DPO fit's settings (:mod:`lit_memtrain.planner.generation`): its training step and
+    generation."""
     from lit_memtrain.planner.generation import grpo_training_settings
 
     trainer = {**init_defaults(Trainer), **trainer}

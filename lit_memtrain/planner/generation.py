@@ -1,4 +1,4 @@
-"""The planner's GRPO / RLOO step: a generation phase beside the simulated training step on the completions.
+"""The planner's online step (GRPO, RLOO, Online DPO): a generation phase beside the simulated training step.
 
 Why its own phase: a GRPO step first generates ``P x G`` completions (``P`` prompts per rank, ``G =
 num_generations``) without gradients, holding the training state (parameters, optimizer state, gradients when
@@ -18,6 +18,9 @@ configured technique (:func:`grpo_training_settings`). The generation part is co
   generates (sleep mode gives it back for training);
 - ``vllm_server``: nothing on the training GPUs (the server has its own).
 
+An Online DPO step (:class:`~lit_memtrain.objectives.online_dpo.OnlineDPOModule`) is the same with ``G = 2`` (a
+pair per prompt, ``max_new_tokens`` each) trained in one slice of ``2 P`` sequences; its reference is always there.
+
 A frozen reference copy (``beta != 0`` without LoRA) is held through both phases: its parameters are added to
 each (sharded under FSDP2, on the host with ``cpu_offload``). The gradients are counted in the generation phase
 (they are freed after each optimizer step, so this overstates it when they do not accumulate across batches).
@@ -32,8 +35,12 @@ from typing import Any
 
 __all__ = ["GRPO_MODULES", "GenerationPlan", "generation_bytes", "grpo_training_settings", "with_generation"]
 
-GRPO_MODULES = ("lit_memtrain.objectives.grpo.GRPOModule", "lit_memtrain.objectives.rloo.RLOOModule")
-"""The modules planned with a generation phase (RLOOModule is a GRPOModule)."""
+GRPO_MODULES = (
+    "lit_memtrain.objectives.grpo.GRPOModule",
+    "lit_memtrain.objectives.rloo.RLOOModule",
+    "lit_memtrain.objectives.online_dpo.OnlineDPOModule",
+)
+"""The modules planned with a generation phase (the online methods: subclasses of OnlineRLModule)."""
 _PROMPT_DATA = "lit_memtrain.datamodules.prompts.PromptDataModule"
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -77,7 +84,7 @@ class GenerationPlan:
 def grpo_training_settings(
     module_class: str, model: dict[str, Any], data: dict[str, Any], base: dict[str, Any]
 ) -> tuple[dict[str, Any], GenerationPlan]:
-    """The :class:`~lit_memtrain.planner.settings.PlanSettings` arguments of a GRPO / RLOO fit's training step and its
+    """The :class:`~lit_memtrain.planner.settings.PlanSettings` arguments of an online fit's training step and its
     :class:`GenerationPlan`, from the module's and the :class:`~lit_memtrain.datamodules.prompts.PromptDataModule`'s
     arguments (defaults filled in by the caller); ``base`` holds the arguments every plan shares (precision,
     callbacks, strategy, tokenizer).
@@ -85,17 +92,20 @@ def grpo_training_settings(
     Raises:
         ValueError: a datamodule without ``max_prompt_length`` or ``batch_size``, or slices that do not divide.
     """
-    from lit_memtrain.objectives.grpo import GRPOModule
+    from lit_memtrain.objectives.online_dpo import OnlineDPOModule
+    from lit_memtrain.planner.settings import import_class
 
-    module = {**{k: p.default for k, p in _defaults(GRPOModule).items()}, **model}
+    module_type = import_class(module_class, "model.class_path")
+    pairs = issubclass(module_type, OnlineDPOModule)  # two completions per prompt, trained in one slice
+    module = {**{k: p.default for k, p in _defaults(module_type).items()}, **model}
     prompt_length, prompts = data.get("max_prompt_length"), data.get("batch_size")
     if not isinstance(prompt_length, int) or not isinstance(prompts, int):
         raise ValueError(
             f"{module_class.rsplit('.', 1)[-1]} is planned on {_PROMPT_DATA} batches with a max_prompt_length and a "
             f"batch_size; got max_prompt_length={prompt_length!r}, batch_size={prompts!r}."
         )
-    generations = int(module["num_generations"])
-    slices = int(module.get("steps_per_generation") or module["gradient_accumulation_steps"])
+    generations = 2 if pairs else int(module["num_generations"])
+    slices = 1 if pairs else int(module.get("steps_per_generation") or module["gradient_accumulation_steps"])
     if (prompts * generations) % slices:
         raise ValueError(
             f"batch_size={prompts} x num_generations={generations} cannot be split into steps_per_generation={slices} "
@@ -105,11 +115,11 @@ def grpo_training_settings(
     backend = module["generation_backend"] if isinstance(module["generation_backend"], str) else "custom"
     plan = GenerationPlan(
         prompts=prompts, num_generations=generations, max_prompt_length=prompt_length,
-        max_completion_length=int(module["max_completion_length"]), backend=backend,
+        max_completion_length=int(module["max_new_tokens" if pairs else "max_completion_length"]), backend=backend,
         gather_weights=bool(options.get("gather_weights", module["gather_weights_for_generation"])),
         gpu_memory_utilization=float(options.get("gpu_memory_utilization", 0.3)),
         page_size=int(options.get("page_size", 256)),
-        frozen_reference=float(module["beta"]) != 0 and module.get("lora") is None,
+        frozen_reference=(pairs or float(module["beta"]) != 0) and module.get("lora") is None,
     )  # fmt: skip
     from lit_memtrain.planner.settings import CAUSAL_LM_MODULE, init_parameters
     from lit_memtrain.objectives.causal_lm import CausalLMModule
@@ -199,13 +209,13 @@ def with_generation(step: Any, settings: Any, gpu_bytes: int) -> Any:
     generation_peak = memory.fixed + reference + sum(generation.values())
     training_peak = memory.device_peak + reference
     notes = [
-        f"GRPO: {plan.describe()} before training on {settings.batch_size} completions per slice; generation adds "
+        f"Online RL: {plan.describe()} before training on {settings.batch_size} completions per slice; generation adds "
         + ", ".join(f"{kind} {size / 2**30:,.2f} GiB" for kind, size in generation.items())
         + (f"; the frozen reference holds {reference / 2**30:,.2f} GiB in both phases" if reference else "")
         + " (the training state in the generation phase includes the gradients: an upper bound).",
     ]
     notes.append(
-        f"GRPO phases: training {training_peak / 2**30:,.2f} GiB (in {memory.phase}), generation "
+        f"Online RL phases: training {training_peak / 2**30:,.2f} GiB (in {memory.phase}), generation "
         f"{generation_peak / 2**30:,.2f} GiB; the plan's peak is the larger."
     )
     if generation_peak > training_peak:
