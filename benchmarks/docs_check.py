@@ -31,7 +31,7 @@ Markers: an HTML comment ``<!-- docs-check: ... -->`` on the line above a fence 
 
 Usage::
 
-    python benchmarks/docs_check.py                   # every block (make docs-check; about 35 minutes of CPU time)
+    python benchmarks/docs_check.py                   # every block (make docs-check; about half an hour of CPU time)
     python benchmarks/docs_check.py --fast            # the blocks not marked slow
     python benchmarks/docs_check.py --list            # what would run, what is skipped and why
     python benchmarks/docs_check.py docs/planner.md   # one document
