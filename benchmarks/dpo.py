@@ -37,7 +37,7 @@ Run from the repository root (needs trl)::
     python benchmarks/dpo.py                 # throughput, three rounds (a few minutes on 2 cores)
     python benchmarks/dpo.py --memory        # simulated memory table (about a minute)
     python benchmarks/dpo.py --model smollm2-135m-instruct --skip-padded --pairs 32 --prompt-median 60 \
-        --completion-median 30 --max-length 256 --batch-size 2 --steps 4 --rounds 2
+        --completion-median 30 --max-length 256 --steps 4 --warmup-steps 1 --rounds 2
 """
 
 from __future__ import annotations
@@ -220,8 +220,9 @@ def throughput(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="dpo_bench_") as directory:
         workdir = Path(directory)
         model_dir, data = prepare(args, workdir)
-        print(f"trl {trl.__version__}; model {args.model}; {args.pairs} pairs, {args.batch_size} per step; {args.warmup_steps} warm-up + "
-              f"{args.steps} timed steps per run; {args.threads} thread(s); {args.rounds} rounds")
+        print(f"trl {trl.__version__}; model {args.model}; {args.pairs} pairs, {args.batch_size} per step; "
+              f"{args.warmup_steps} warm-up + {args.steps} timed steps per run; {args.threads} thread(s); "
+              f"{args.rounds} rounds")
         runners = {
             "trl": lambda: run_trl(args, model_dir, data, workdir),
             "ours, padding-free": lambda: run_ours(args, model_dir, data, workdir, True, "ours_free"),
