@@ -17,9 +17,10 @@ Throughput, the same for both:
   untimed steps, in process CPU time on one thread; generated tokens are each step's completion tokens (from the
   logged ``completions/mean_length``, TRL's name in both).
 
-Each run in its own process (its peak resident set size reported), alternating in ``--rounds`` rounds. Headline: median over rounds of ours / TRL
-steps per second (target >= 1.0x). Completions are sampled, so the two runs generate different (equally long
-on average) completions; the generated tokens per second is the rate that accounts for it.
+Each run in its own process (its peak resident set size reported), alternating in ``--rounds`` rounds. Headline:
+median over rounds of ours / TRL steps per second (target >= 1.0x). Completions are sampled, so the two runs
+generate different (equally long on average) completions; the generated tokens per second is the rate that
+accounts for it.
 
 Memory (``--memory``): one GRPO step of Qwen3-4B (bf16 weights and AdamW state, bf16 autocast) generating 8
 completions of 4,096 tokens for one prompt of 128 tokens with Hugging Face ``generate``, then training on the
@@ -95,7 +96,8 @@ def worker_trl(args: argparse.Namespace) -> None:
     )  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
     trainer = GRPOTrainer(
-        model=model, reward_funcs=token_sum_reward, args=config, processing_class=AutoTokenizer.from_pretrained(args.model_dir),
+        model=model, reward_funcs=token_sum_reward, args=config,
+        processing_class=AutoTokenizer.from_pretrained(args.model_dir),
         train_dataset=datasets.load_dataset("json", data_files=args.data, split="train"), callbacks=[Timer()],
     )  # fmt: skip
     trainer.train()

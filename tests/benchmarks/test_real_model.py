@@ -31,5 +31,6 @@ def test_a_gguf_model_is_saved_as_the_float32_weights_and_tokenizer_it_holds(tin
 
 
 def test_a_model_that_is_not_a_gguf_file_is_refused_with_what_is_known(tmp_path):
-    with pytest.raises(ValueError, match="'tiny-qwen3' is neither 'tiny', a packaged GGUF model .*smollm2-135m-instruct"):
+    expected = "'tiny-qwen3' is neither 'tiny', a packaged GGUF model .*smollm2-135m-instruct"
+    with pytest.raises(ValueError, match=expected):
         save_real_model("tiny-qwen3", tmp_path / "model")
