@@ -37,9 +37,9 @@ parameters allow it); ``--trl-optim adamw_torch`` gives TRL the per-tensor loop 
 
 Each framework runs in its own subprocess (ours through ``python -m lit_memtrain.cli fit``; its peak resident set
 size is reported), alternating in ``--rounds`` rounds on the shared machine; torch runs on ``--threads`` threads in
-both (one by default, see ``benchmarks/throughput.py``). Headline: median over rounds of ours/TRL tokens per second. Target:
-ours >= 1.25x with the defaults on the tiny model, whose attention is a large share of a step (>= 1.0x with
-``--attention sdpa``, and on a real model).
+both (one by default, see ``benchmarks/throughput.py``). Headline: median over rounds of ours/TRL tokens per
+second. Target: ours >= 1.25x with the defaults on the tiny model, whose attention is a large share of a step
+(>= 1.0x with ``--attention sdpa``, and on a real model).
 
 Run from the repository root (needs trl: ``pip install -e .[bench]``; about 2 minutes on 2 CPU cores)::
 
@@ -338,7 +338,8 @@ def main() -> None:
         print(
             f"trl {trl.__version__}; {args.examples} examples, {dataset_tokens:,} tokens; rows of {args.max_length}, "
             f"{args.batch_size} per step; {args.warmup_steps} warm-up + {args.steps} timed steps per run; "
-            f"{args.threads} thread(s); model {args.model}; attention: ours {args.attention}, TRL sdpa; prepared in {time.perf_counter() - start:.1f} s"
+            f"{args.threads} thread(s); model {args.model}; attention: ours {args.attention}, TRL sdpa; "
+            f"prepared in {time.perf_counter() - start:.1f} s"
         )
         ours, trl_runs = [], []
         for round_index in range(args.rounds):
