@@ -4,7 +4,9 @@ padded, and the simulated peak memory of a Qwen3-4B DPO step with and without th
 Throughput, the same for every run:
 
 - weights: one random ``tiny-qwen3`` (``benchmarks/throughput.py``'s shape: hidden 512, 2 layers, fp32)
-  saved with ``save_pretrained`` and loaded by each run; the embedded tokenizer saved beside it;
+  saved with ``save_pretrained`` and loaded by each run; the embedded tokenizer saved beside it (with ``--model
+  smollm2-135m-instruct``, ``benchmarks/real_model.py``: the real pretrained model and its tokenizer instead,
+  loaded once from the packaged GGUF file as float32 and saved the same way);
 - data: ``--pairs`` synthetic standard preference pairs (strings of single-token words): prompts of
   lognormal length (median ``--prompt-median`` tokens), chosen and rejected completions each of lognormal
   length (median ``--completion-median``), clipped so a sequence fits ``--max-length``; eos appended to
@@ -18,9 +20,9 @@ Throughput, the same for every run:
   the step's sequences. On one thread the headline uses process CPU time.
 
 Runs: TRL (padded rows: TRL 1.16 disables its padding-free DPO), ours padding-free (the default: every
-pair's chosen and rejected sequence in one row) and ours padded, each in its own process, alternating in
-``--rounds`` rounds. Headline: median over rounds of ours / TRL tokens per second (target >= 1.0x), and
-padding-free / padded.
+pair's chosen and rejected sequence in one row) and ours padded, each in its own process (its peak resident set
+size reported), in ``--rounds`` rounds that alternate the order (TRL first, then last). Headline: median over
+rounds of ours / TRL tokens per second (target >= 1.0x), and padding-free / padded.
 
 Memory (``--memory``): one DPO step of Qwen3-4B (36 layers, bf16 parameters, gradients and AdamW state) on
 one pair whose chosen and rejected sequences (L/2 tokens each) fill one padding-free row of L tokens,
@@ -34,6 +36,8 @@ Run from the repository root (needs trl)::
 
     python benchmarks/dpo.py                 # throughput, three rounds (a few minutes on 2 cores)
     python benchmarks/dpo.py --memory        # simulated memory table (about a minute)
+    python benchmarks/dpo.py --model smollm2-135m-instruct --skip-padded --pairs 32 --prompt-median 60 \
+        --completion-median 30 --max-length 256 --steps 4 --warmup-steps 1 --rounds 2
 """
 
 from __future__ import annotations
@@ -43,12 +47,13 @@ import json
 import multiprocessing
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import NoReturn
+
+from real_model import MIB, TINY, add_model_option, run_measured, save_real_model
 
 BENCHMARKS = Path(__file__).resolve().parent
 GIB = 2**30
@@ -87,8 +92,8 @@ def worker_trl(args: argparse.Namespace) -> None:
             records["losses"].append(float(loss))
             return loss
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32, attn_implementation="sdpa")
     config = DPOConfig(
         output_dir=str(Path(args.output).parent / "trl_output"),
         beta=0.1, loss_type=["sigmoid"], precompute_ref_log_probs=True, max_length=args.max_length,
@@ -138,7 +143,7 @@ def run_ours(args: argparse.Namespace, model_dir: Path, data: Path, workdir: Pat
 def run_trl(args: argparse.Namespace, model_dir: Path, data: Path, workdir: Path) -> dict:
     output = workdir / "trl.json"
     command = [
-        sys.executable, str(Path(__file__).resolve()), "--worker", "trl", "--model", str(model_dir),
+        sys.executable, str(Path(__file__).resolve()), "--worker", "trl", "--model-dir", str(model_dir),
         "--data", str(data), "--output", str(output), "--max-length", str(args.max_length),
         "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps),
         "--learning-rate", str(args.learning_rate), "--seed", str(args.seed),
@@ -150,16 +155,16 @@ def run_subprocess(command: list[str], output: Path, log: Path, threads: int) ->
     output.unlink(missing_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BENCHMARKS), env.get("PYTHONPATH")]))
-    with log.open("w") as log_file:
-        finished = subprocess.run(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
-    if finished.returncode != 0 or not output.exists():
+    returncode, peak_rss = run_measured(command, env, log)
+    if returncode != 0 or not output.exists():
         tail = "\n".join(log.read_text().splitlines()[-30:])
-        fail(f"{' '.join(command[:5])} ... exited with {finished.returncode}; last lines of {log}:\n{tail}")
-    return json.loads(output.read_text())
+        fail(f"{' '.join(command[:5])} ... exited with {returncode}; last lines of {log}:\n{tail}")
+    return {**json.loads(output.read_text()), "peak_rss": peak_rss}
 
 
 def prepare(args: argparse.Namespace, workdir: Path) -> tuple[Path, Path]:
-    """Save one random model and the tokenizer, and the preference pairs as JSON lines."""
+    """Save one random model (or ``--model``'s real one) and the tokenizer, and the preference pairs as JSON
+    lines."""
     import numpy as np
     import torch
     from throughput import MODEL_OVERRIDES, lognormal_lengths, single_token_words
@@ -169,13 +174,17 @@ def prepare(args: argparse.Namespace, workdir: Path) -> tuple[Path, Path]:
     from lit_memtrain.models.presets import build_config
     from lit_memtrain.datamodules.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(EMBEDDED)
-    overrides = {**MODEL_OVERRIDES, "vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
-                 "eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id}
-    torch.manual_seed(args.seed)
     model_dir = workdir / "model"
-    AutoModelForCausalLM.from_config(build_config("tiny-qwen3", overrides), dtype=torch.float32).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
+    if args.model != TINY:
+        tokenizer = load_tokenizer(str(save_real_model(args.model, model_dir)))
+    else:
+        tokenizer = load_tokenizer(EMBEDDED)
+        overrides = {**MODEL_OVERRIDES, "vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
+                     "eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id}
+        torch.manual_seed(args.seed)
+        model = AutoModelForCausalLM.from_config(build_config("tiny-qwen3", overrides), dtype=torch.float32)
+        model.save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
     budget = args.max_length - 1  # eos
     completion = args.max_length // 4
     prompts = lognormal_lengths(args.pairs, args.prompt_median, 0.6, 4, budget - completion, args.seed)
@@ -206,22 +215,30 @@ def throughput(args: argparse.Namespace) -> None:
     from throughput import print_table
 
     clock = "cpu" if args.threads == 1 else "wall"
-    runs: dict[str, list[dict]] = {"trl": [], "ours, padding-free": [], "ours, padded": []}
+    names = ["trl", "ours, padding-free"] + ([] if args.skip_padded else ["ours, padded"])
+    runs: dict[str, list[dict]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory(prefix="dpo_bench_") as directory:
         workdir = Path(directory)
         model_dir, data = prepare(args, workdir)
-        print(f"trl {trl.__version__}; {args.pairs} pairs, {args.batch_size} per step; {args.warmup_steps} warm-up + "
-              f"{args.steps} timed steps per run; {args.threads} thread(s); {args.rounds} rounds")
+        print(f"trl {trl.__version__}; model {args.model}; {args.pairs} pairs, {args.batch_size} per step; "
+              f"{args.warmup_steps} warm-up + {args.steps} timed steps per run; {args.threads} thread(s); "
+              f"{args.rounds} rounds")
+        runners = {
+            "trl": lambda: run_trl(args, model_dir, data, workdir),
+            "ours, padding-free": lambda: run_ours(args, model_dir, data, workdir, True, "ours_free"),
+            "ours, padded": lambda: run_ours(args, model_dir, data, workdir, False, "ours_padded"),
+        }
+        runners = {name: runner for name, runner in runners.items() if name in runs}
         for round_index in range(args.rounds):
-            runs["trl"].append(run_trl(args, model_dir, data, workdir))
-            runs["ours, padding-free"].append(run_ours(args, model_dir, data, workdir, True, "ours_free"))
-            runs["ours, padded"].append(run_ours(args, model_dir, data, workdir, False, "ours_padded"))
+            for name in list(runners) if round_index % 2 == 0 else list(runners)[::-1]:
+                runs[name].append(runners[name]())
             print(f"round {round_index + 1}: " + ", ".join(
                 f"{name} {tokens_per_second(values[-1], clock):,.0f} tokens/s" for name, values in runs.items()))
     for name, values in runs.items():
         if {len(run["tokens"]) for run in values} != {args.steps}:
             fail(f"{name} recorded other than {args.steps} timed steps per run.")
-    rows = [("", "tokens/step", f"tokens/s ({clock})", "tokens/s (wall)", "loss, first timed", "loss, last")]
+    rows = [("", "tokens/step", f"tokens/s ({clock})", "tokens/s (wall)", "loss, first timed", "loss, last",
+             "peak RSS MiB")]
     for name, values in runs.items():
         rows.append((
             name,
@@ -230,6 +247,7 @@ def throughput(args: argparse.Namespace) -> None:
             f"{statistics.median(tokens_per_second(run, 'wall') for run in values):,.0f}",
             f"{statistics.mean(run['losses'][0] for run in values):.4f}",
             f"{statistics.mean(run['losses'][-1] for run in values):.4f}",
+            f"{statistics.median(run['peak_rss'] for run in values) / MIB:,.0f}",
         ))  # fmt: skip
     print_table(rows)
 
@@ -239,6 +257,8 @@ def throughput(args: argparse.Namespace) -> None:
 
     for a, b, target in [("ours, padding-free", "trl", 1.0), ("ours, padded", "trl", None),
                          ("ours, padding-free", "ours, padded", None)]:
+        if a not in runs or b not in runs:
+            continue
         value, each = ratio(a, b)
         verdict = f"; target >= {target:.2f}x {'met' if value >= target else 'NOT met'}" if target else ""
         print(f"{a} / {b}: {value:.2f}x (rounds {', '.join(f'{r:.2f}' for r in each)}){verdict}")
@@ -343,9 +363,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--skip-padded", action="store_true", help="TRL and ours padding-free only (a third less time)")
     parser.add_argument("--seed", type=int, default=0)
+    add_model_option(parser)
     parser.add_argument("--worker", choices=["trl"], help=argparse.SUPPRESS)
-    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
     parser.add_argument("--output", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -4,7 +4,9 @@ and the simulated peak memory of a Qwen3-4B GRPO step with and without the memor
 Throughput, the same for both:
 
 - weights: one random ``tiny-qwen3`` (hidden ``--hidden``, ``--layers`` layers, fp32) saved with
-  ``save_pretrained`` and loaded by each run; the embedded tokenizer saved beside it;
+  ``save_pretrained`` and loaded by each run; the embedded tokenizer saved beside it (with ``--model
+  smollm2-135m-instruct``, ``benchmarks/real_model.py``: the real pretrained model and its tokenizer instead,
+  loaded once from the packaged GGUF file as float32 and saved the same way);
 - data: ``--prompts`` synthetic standard (string) prompts of lognormal length (median ``--prompt-median`` words);
 - a step: ``--batch-size`` prompts x ``--num-generations`` completions of up to ``--max-completion-length``
   tokens drawn with Hugging Face ``generate`` (temperature 1, KV cache), one reward function (the token sum mod 7,
@@ -15,9 +17,10 @@ Throughput, the same for both:
   untimed steps, in process CPU time on one thread; generated tokens are each step's completion tokens (from the
   logged ``completions/mean_length``, TRL's name in both).
 
-Each run in its own process, alternating in ``--rounds`` rounds. Headline: median over rounds of ours / TRL
-steps per second (target >= 1.0x). Completions are sampled, so the two runs generate different (equally long
-on average) completions; the generated tokens per second is the rate that accounts for it.
+Each run in its own process (its peak resident set size reported), alternating in ``--rounds`` rounds. Headline:
+median over rounds of ours / TRL steps per second (target >= 1.0x). Completions are sampled, so the two runs
+generate different (equally long on average) completions; the generated tokens per second is the rate that
+accounts for it.
 
 Memory (``--memory``): one GRPO step of Qwen3-4B (bf16 weights and AdamW state, bf16 autocast) generating 8
 completions of 4,096 tokens for one prompt of 128 tokens with Hugging Face ``generate``, then training on the
@@ -30,6 +33,8 @@ Run from the repository root (needs trl)::
     python benchmarks/grpo.py                 # throughput, two rounds (a few minutes on 2 cores)
     python benchmarks/grpo.py --memory        # simulated memory table (about a minute)
     python benchmarks/grpo.py --generation --hidden 128 --max-completion-length 32   # generate vs continuous batching
+    python benchmarks/grpo.py --model smollm2-135m-instruct --batch-size 2 --num-generations 4 \
+        --max-completion-length 32 --steps 3 --rounds 2
 """
 
 from __future__ import annotations
@@ -38,13 +43,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
+
+from real_model import MIB, TINY, add_model_option, run_measured, save_real_model
 
 GIB = 2**30
 
@@ -89,9 +95,10 @@ def worker_trl(args: argparse.Namespace) -> None:
         use_cpu=True, bf16=False, report_to=[], logging_steps=1, save_strategy="no", seed=args.seed,
         dataloader_num_workers=0, gradient_checkpointing=False, optim="adamw_torch_fused",
     )  # fmt: skip
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
     trainer = GRPOTrainer(
-        model=model, reward_funcs=token_sum_reward, args=config, processing_class=AutoTokenizer.from_pretrained(args.model),
+        model=model, reward_funcs=token_sum_reward, args=config,
+        processing_class=AutoTokenizer.from_pretrained(args.model_dir),
         train_dataset=datasets.load_dataset("json", data_files=args.data, split="train"), callbacks=[Timer()],
     )  # fmt: skip
     trainer.train()
@@ -118,7 +125,7 @@ def worker_ours(args: argparse.Namespace) -> None:
                 records["generated_tokens"].append(length * completions)
 
     module = GRPOModule(
-        model=args.model, tokenizer=args.model, dtype="float32", reward_funcs=[token_sum_reward],
+        model=args.model_dir, tokenizer=args.model_dir, dtype="float32", reward_funcs=[token_sum_reward],
         num_generations=args.num_generations, max_completion_length=args.max_completion_length, temperature=1.0,
         policy_loss="dapo", beta=0.0, learning_rate=args.learning_rate, weight_decay=0.0, warmup=0, min_lr_ratio=1.0,
         max_grad_norm=1.0, optimizer={"class_path": "torch.optim.AdamW", "init_args": {"fused": True}},
@@ -138,7 +145,7 @@ def fit_ours(module, args: argparse.Namespace, timer, records: dict[str, list]) 
         max_steps=args.warmup_steps + args.steps, accelerator="cpu", devices=1, precision="32-true", logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
     )  # fmt: skip
-    data = PromptDataModule(tokenizer=args.model, dataset="json", data_files=args.data, max_prompt_length=None,
+    data = PromptDataModule(tokenizer=args.model_dir, dataset="json", data_files=args.data, max_prompt_length=None,
                             batch_size=args.batch_size, seed=args.seed)  # fmt: skip
     torch.manual_seed(args.seed)
     trainer.fit(module, datamodule=data)
@@ -158,23 +165,22 @@ def run_script(script: str, which: str, args: argparse.Namespace, model_dir: Pat
     output = workdir / f"{tag}.json"
     output.unlink(missing_ok=True)
     command = [
-        sys.executable, str(Path(script).resolve()), "--worker", which, "--model", str(model_dir), "--data",
+        sys.executable, str(Path(script).resolve()), "--worker", which, "--model-dir", str(model_dir), "--data",
         str(data), "--output", str(output), "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps),
         "--learning-rate", str(args.learning_rate), "--seed", str(args.seed), *options,
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false",
                TRL_EXPERIMENTAL_SILENCE="1")  # fmt: skip
     log = workdir / f"{tag}.log"
-    with log.open("w") as log_file:
-        finished = subprocess.run(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
-    if finished.returncode != 0 or not output.exists():
+    returncode, peak_rss = run_measured(command, env, log)
+    if returncode != 0 or not output.exists():
         tail = "\n".join(log.read_text().splitlines()[-30:])
-        fail(f"the {which} run exited with {finished.returncode}; last lines of {log}:\n{tail}")
-    return json.loads(output.read_text())
+        fail(f"the {which} run exited with {returncode}; last lines of {log}:\n{tail}")
+    return {**json.loads(output.read_text()), "peak_rss": peak_rss}
 
 
 def prepare(args: argparse.Namespace, workdir: Path) -> tuple[Path, Path]:
-    """Save one random model and the tokenizer, and the prompts as JSON lines."""
+    """Save one random model (or ``--model``'s real one) and the tokenizer, and the prompts as JSON lines."""
     import numpy as np
     import torch
     from transformers import AutoModelForCausalLM
@@ -183,15 +189,19 @@ def prepare(args: argparse.Namespace, workdir: Path) -> tuple[Path, Path]:
     from lit_memtrain.datamodules.tokenizer import load_tokenizer
     from lit_memtrain.models.presets import build_config
 
-    tokenizer = load_tokenizer(EMBEDDED)
-    overrides = {"hidden_size": args.hidden, "intermediate_size": 3 * args.hidden, "num_hidden_layers": args.layers,
-                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": args.hidden // 4,
-                 "vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
-                 "eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id}  # fmt: skip
-    torch.manual_seed(args.seed)
     model_dir = workdir / "model"
-    AutoModelForCausalLM.from_config(build_config("tiny-qwen3", overrides), dtype=torch.float32).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
+    if args.model != TINY:
+        save_real_model(args.model, model_dir)
+    else:
+        tokenizer = load_tokenizer(EMBEDDED)
+        overrides = {"hidden_size": args.hidden, "intermediate_size": 3 * args.hidden,
+                     "num_hidden_layers": args.layers, "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "head_dim": args.hidden // 4, "vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
+                     "eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id}  # fmt: skip
+        torch.manual_seed(args.seed)
+        model = AutoModelForCausalLM.from_config(build_config("tiny-qwen3", overrides), dtype=torch.float32)
+        model.save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
     rng = np.random.default_rng(args.seed)
     words = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "plus", "is", "what"]
     data = workdir / "prompts.jsonl"
@@ -209,13 +219,14 @@ def compare(runs: dict[str, list[dict]], labels: dict[str, str]) -> None:
         seconds = sum(run["step_cpu_seconds"])
         return len(run["step_cpu_seconds"]) / seconds, sum(run["generated_tokens"]) / seconds
 
-    print("| | steps / s (CPU time) | generated tokens / s | generated tokens / step |")
-    print("|---|---|---|---|")
+    print("| | steps / s (CPU time) | generated tokens / s | generated tokens / step | peak RSS MiB |")
+    print("|---|---|---|---|---|")
     for name, label in labels.items():
         steps = statistics.median(rates(run)[0] for run in runs[name])
         tokens = statistics.median(rates(run)[1] for run in runs[name])
         per_step = statistics.median(statistics.fmean(run["generated_tokens"]) for run in runs[name])
-        print(f"| {label} | {steps:.3f} | {tokens:,.0f} | {per_step:,.0f} |")
+        peak_rss = statistics.median(run["peak_rss"] for run in runs[name]) / MIB
+        print(f"| {label} | {steps:.3f} | {tokens:,.0f} | {per_step:,.0f} | {peak_rss:,.0f} |")
     step_ratios = [rates(o)[0] / rates(t)[0] for o, t in zip(runs["ours"], runs["trl"])]
     token_ratios = [rates(o)[1] / rates(t)[1] for o, t in zip(runs["ours"], runs["trl"])]
     print(f"ours / TRL steps/s: {statistics.median(step_ratios):.2f}x (rounds {', '.join(f'{r:.2f}' for r in step_ratios)}); "
@@ -241,7 +252,8 @@ def side_by_side(args: argparse.Namespace, run_worker: Callable[..., dict], labe
 
 def throughput(args: argparse.Namespace) -> None:
     setup = (f"{args.batch_size} prompts x {args.num_generations} completions of up to {args.max_completion_length} "
-             f"tokens per step, {args.steps} timed steps, {args.rounds} rounds, {args.threads} thread(s)")  # fmt: skip
+             f"tokens per step, {args.steps} timed steps, {args.rounds} rounds, {args.threads} thread(s), "
+             f"model {args.model}")  # fmt: skip
     side_by_side(args, run_worker, {"trl": "TRL `GRPOTrainer` (HF generate)", "ours": "lit-memtrain `GRPOModule`"},
                  setup)  # fmt: skip
 
@@ -327,8 +339,9 @@ def add_side_by_side_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--learning-rate", type=float, default=1e-5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    add_model_option(parser)
     parser.add_argument("--worker", choices=("trl", "ours"), help=argparse.SUPPRESS)
-    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
     parser.add_argument("--output", help=argparse.SUPPRESS)
 

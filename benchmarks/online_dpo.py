@@ -65,10 +65,10 @@ def worker_trl(args: argparse.Namespace) -> None:
         logging_steps=1, save_strategy="no", seed=args.seed, dataloader_num_workers=0, gradient_checkpointing=False,
         optim="adamw_torch_fused",
     )  # fmt: skip
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
     trainer = OnlineDPOTrainer(
         model=model, reward_funcs=token_sum_reward, args=config,
-        processing_class=AutoTokenizer.from_pretrained(args.model),
+        processing_class=AutoTokenizer.from_pretrained(args.model_dir),
         train_dataset=datasets.load_dataset("json", data_files=args.data, split="train"), callbacks=[Timer()],
     )  # fmt: skip
     generate = trainer._generate
@@ -109,7 +109,7 @@ def worker_ours(args: argparse.Namespace) -> None:
                 records["generated_tokens"].append(sum(generated))
 
     module = Counted(
-        model=args.model, tokenizer=args.model, dtype="float32", reward_funcs=[token_sum_reward],
+        model=args.model_dir, tokenizer=args.model_dir, dtype="float32", reward_funcs=[token_sum_reward],
         max_new_tokens=args.max_new_tokens, max_length=512, beta=0.1, preference_loss="sigmoid", temperature=0.9,
         learning_rate=args.learning_rate, weight_decay=0.0, warmup=0, min_lr_ratio=1.0, max_grad_norm=1.0,
         optimizer={"class_path": "torch.optim.AdamW", "init_args": {"fused": True}},
@@ -124,7 +124,7 @@ def run_worker(which: str, args: argparse.Namespace, model_dir: Path, data: Path
 
 def throughput(args: argparse.Namespace) -> None:
     setup = (f"{args.batch_size} prompts x 2 completions of up to {args.max_new_tokens} tokens per step, {args.steps} "
-             f"timed steps, {args.rounds} rounds, {args.threads} thread(s)")  # fmt: skip
+             f"timed steps, {args.rounds} rounds, {args.threads} thread(s), model {args.model}")  # fmt: skip
     labels = {"trl": "TRL `OnlineDPOTrainer` (HF generate)", "ours": "lit-memtrain `OnlineDPOModule`"}
     side_by_side(args, run_worker, labels, setup)
 
