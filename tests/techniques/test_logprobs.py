@@ -125,7 +125,8 @@ def test_the_entropy_trains_with_the_gradient_of_the_full_logits_entropy(softcap
     kept = (targets != -100).float()
     by_definition = torch.distributions.Categorical(logits=transformed).entropy() * kept
     reference = token_log_probs(F.linear(h, w, b), targets, softcap, scale)
-    expected = torch.autograd.grad((reference * weights + by_definition * entropy_weights).sum(), leaves, retain_graph=True)
+    both = (reference * weights + by_definition * entropy_weights).sum()
+    expected = torch.autograd.grad(both, leaves, retain_graph=True)
     logps, entropies = chunked_token_log_probs_and_entropies(h, w, targets, 5, softcap, b, scale)
     chunked = torch.autograd.grad((logps * weights + entropies * entropy_weights).sum(), leaves)
     plain = token_entropies(F.linear(h, w, b), targets, softcap, scale, chunk_size=5, with_grad=True)
