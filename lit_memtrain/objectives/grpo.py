@@ -61,6 +61,7 @@ from lit_memtrain.objectives.policy_loss import high_entropy_mask
 from lit_memtrain.objectives.ragged_gather import every_rank_values
 from lit_memtrain.objectives.reward_functions import RewardFunctions, TrainerState
 from lit_memtrain.objectives.rollout import Rollout, scoring_batch
+from lit_memtrain.objectives.trl_config_fields import refuse_trl_fields
 from lit_memtrain.parallel.fsdp import is_sharded, run_inside_forward
 from lit_memtrain.techniques.logprobs import (
     chunked_token_log_probs,
@@ -209,6 +210,7 @@ class GRPOModule(CausalLMModule):
             max_completion_length=max_completion_length, temperature=temperature, top_p=top_p, top_k=top_k,
             min_p=min_p, repetition_penalty=repetition_penalty, do_sample=do_sample,
         )  # fmt: skip
+        refuse_trl_fields(type(self).__name__, kwargs)  # a TRL field not offered: its name and the reason
         _check_backend(generation_backend, generation_options, sampling)  # before any model or tokenizer work
         loss_options = PolicyLossOptions(
             importance_sampling_level, delta, sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos,
