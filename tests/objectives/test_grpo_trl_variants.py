@@ -203,3 +203,38 @@ def test_gspo_trains_through_a_lightning_trainer_and_logs_trls_names(saved_model
     initial = AutoModelForCausalLM.from_pretrained(saved_model).state_dict()
     trained = module.model.state_dict()
     assert any(not torch.equal(trained[name], initial[name]) for name in initial)  # the steps trained the model
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [({"importance_sampling_level": "sentence"}, "importance_sampling_level must be one of"),
+     ({"delta": 0.9}, "delta .* must be > 1"),
+     ({"sapo_temperature_neg": 0.0}, "sapo_temperature_neg must be > 0"),
+     ({"top_entropy_quantile": 1.5}, r"top_entropy_quantile must be in \[0, 1\]"),
+     ({"entropy_coef": float("nan")}, "entropy_coef must be a finite number"),
+     ({"use_adaptive_entropy": True, "entropy_coef_min": 0.5, "entropy_coef_max": 0.1}, "entropy_coef_min <="),
+     ({"multi_objective_aggregation": "sum"}, "multi_objective_aggregation must be one of"),
+     ({"policy_loss": "ppo"}, "policy_loss .* must be one of")],
+)
+def test_bad_variant_options_are_refused_at_construction(options, message):
+    with pytest.raises(ValueError, match=message):
+        GRPOModule(reward_funcs=[len], preset="tiny-qwen3", tokenizer="lit-memtrain/embedded", **options)
+
+
+def test_trls_warnings_for_combinations_its_papers_do_not_train():
+    with pytest.warns(UserWarning, match="luspo.*'sequence'"):
+        GRPOModule(reward_funcs=[len], preset="tiny-qwen3", tokenizer="lit-memtrain/embedded", policy_loss="luspo")
+    with pytest.warns(UserWarning, match="weighting each completion by its length"):
+        GRPOModule(reward_funcs=[len], preset="tiny-qwen3", tokenizer="lit-memtrain/embedded",
+                   importance_sampling_level="sequence")  # fmt: skip
+
+
+def test_the_adaptive_entropy_state_goes_into_checkpoints(saved_model):
+    module = _module(saved_model, entropy_coef=0.02, use_adaptive_entropy=True)
+    module.entropy_bonus.observe(torch.tensor(3.0), torch.tensor(2.0))
+    module.entropy_bonus.end_step(lambda totals: totals)  # entropy 1.5 > target 0.2: the coefficient drops
+    checkpoint = {"state_dict": {}}
+    module.on_save_checkpoint(checkpoint)
+    resumed = _module(saved_model, entropy_coef=0.02, use_adaptive_entropy=True)
+    resumed.on_load_checkpoint(checkpoint)
+    assert (resumed.entropy_bonus.coef, resumed.entropy_bonus.last_entropy) == (pytest.approx(0.015), 1.5)
