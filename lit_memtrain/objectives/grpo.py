@@ -54,7 +54,8 @@ from lit_memtrain.objectives.advantages import (
 )
 from lit_memtrain.objectives.causal_lm import CausalLMModule
 from lit_memtrain.objectives.entropy_bonus import EntropyBonus
-from lit_memtrain.objectives.grpo_options import MULTI_OBJECTIVE_AGGREGATIONS, PolicyLossOptions, check_loss_combination
+from lit_memtrain.objectives.grpo_options import MULTI_OBJECTIVE_AGGREGATIONS, ImportanceSamplingLevel, PolicyLossOptions
+from lit_memtrain.objectives.grpo_options import check_loss_combination
 from lit_memtrain.objectives.optim import optimizer_and_schedule
 from lit_memtrain.objectives.policy_loss import LOSS_TYPES, PolicyLoss, PolicyLossType, clipped_policy_loss
 from lit_memtrain.objectives.policy_loss import high_entropy_mask
@@ -175,7 +176,7 @@ class GRPOModule(CausalLMModule):
         generation_options: dict[str, Any] | None = None,
         gather_weights_for_generation: bool = True,
         policy_loss: PolicyLossType = "dapo",
-        importance_sampling_level: str = "token",
+        importance_sampling_level: ImportanceSamplingLevel = "token",
         delta: float | None = None,
         sapo_temperature_pos: float = 1.0,
         sapo_temperature_neg: float = 1.05,
@@ -614,7 +615,7 @@ class GRPOModule(CausalLMModule):
             ref_logps=part.ref_logps, bias_correction_kl=self.hparams.use_bias_correction_kl,
             accumulation_steps=self.hparams.gradient_accumulation_steps,
             max_completion_length=self.sampling.max_completion_length, dapo_normalizer=normalizer,
-            **self.loss_options.loss_kwargs(), entropy_mask=entropy_mask, entropies=entropy,
+            options=self.loss_options, entropy_mask=entropy_mask, entropies=entropy,
             entropy_coef=self.entropy_bonus.coefficient(),
         )  # fmt: skip
         bonus_mask = mask if entropy_mask is None else mask * entropy_mask

@@ -3,12 +3,13 @@
 Why a file of its own: TRL's ``GRPOConfig`` has a dozen knobs for its loss variants (GSPO, CISPO, SAPO, LUSPO,
 VESPO, two-sided clipping, the off-policy mask, the high-entropy token mask, the entropy bonus). The module takes
 them as constructor arguments under TRL's names; this dataclass validates them and hands the loss its share
-(:func:`~lit_memtrain.objectives.policy_loss.clipped_policy_loss`), so the module only passes them along.
+(:func:`~lit_memtrain.objectives.policy_loss.clipped_policy_loss` takes the object), so the module only passes
+them along.
 
 Example:
     >>> options = PolicyLossOptions(importance_sampling_level="sequence", delta=1.5)
-    >>> options.loss_kwargs()["importance_sampling_level"]
-    'sequence'
+    >>> options.entropy_bonus
+    False
 """
 
 from __future__ import annotations
@@ -16,12 +17,18 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from lit_memtrain.objectives.policy_loss import IMPORTANCE_SAMPLING_LEVELS, ImportanceSamplingLevel
+__all__ = [
+    "IMPORTANCE_SAMPLING_LEVELS",
+    "MULTI_OBJECTIVE_AGGREGATIONS",
+    "ImportanceSamplingLevel",
+    "PolicyLossOptions",
+    "check_loss_combination",
+]
 
-__all__ = ["MULTI_OBJECTIVE_AGGREGATIONS", "PolicyLossOptions", "check_loss_combination"]
-
+ImportanceSamplingLevel = Literal["token", "sequence"]
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
@@ -100,12 +107,6 @@ class PolicyLossOptions:
     def entropy_bonus(self) -> bool:
         """Whether the loss has an entropy bonus (TRL: a non-zero ``entropy_coef``, or adaptive control)."""
         return self.entropy_coef != 0.0 or self.use_adaptive_entropy
-
-    def loss_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of :func:`~lit_memtrain.objectives.policy_loss.clipped_policy_loss` these set."""
-        names = ("importance_sampling_level", "delta", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
-                 "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "off_policy_mask_threshold")  # fmt: skip
-        return {name: getattr(self, name) for name in names}
 
 
 def check_loss_combination(loss_type: str, importance_sampling_level: str) -> None:

@@ -48,10 +48,10 @@ import math
 import torch
 from torch import Tensor
 
+from lit_memtrain.objectives.grpo_options import PolicyLossOptions
+
 __all__ = [
-    "IMPORTANCE_SAMPLING_LEVELS",
     "LOSS_TYPES",
-    "ImportanceSamplingLevel",
     "PolicyLoss",
     "PolicyLossType",
     "clipped_policy_loss",
@@ -65,8 +65,6 @@ __all__ = [
 PolicyLossType = Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"]
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the min(rho A, clip(rho) A) family
-ImportanceSamplingLevel = Literal["token", "sequence"]
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 
 @dataclass(frozen=True)
@@ -167,15 +165,7 @@ def clipped_policy_loss(
     accumulation_steps: int = 1,
     max_completion_length: int | None = None,
     dapo_normalizer: Tensor | float | None = None,
-    importance_sampling_level: ImportanceSamplingLevel = "token",
-    delta: float | None = None,
-    sapo_temperature_pos: float = 1.0,
-    sapo_temperature_neg: float = 1.05,
-    vespo_k_pos: float = 2.0,
-    vespo_lambda_pos: float = 3.0,
-    vespo_k_neg: float = 3.0,
-    vespo_lambda_neg: float = 2.0,
-    off_policy_mask_threshold: float | None = None,
+    options: PolicyLossOptions | None = None,
     entropy_mask: Tensor | None = None,
     entropies: Tensor | None = None,
     entropy_coef: float | None = None,
@@ -198,12 +188,9 @@ def clipped_policy_loss(
         max_completion_length: ``dr_grpo``'s constant.
         dapo_normalizer: the divisor of ``dapo``, ``cispo``, ``vespo``
             (:meth:`~lit_memtrain.objectives.grpo.GRPOModule.loss_normalizer`).
-        importance_sampling_level: ``token`` or ``sequence`` (GSPO: one weight per completion).
-        delta: two-sided clipping of the clipped losses (``rho`` capped at ``delta``); None: off.
-        sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg:
-            the ``sapo`` and ``vespo`` parameters (TRL's names and defaults).
-        off_policy_mask_threshold: drop negative-advantage completions that drifted further than this from the
-            sampling policy (:func:`off_policy_mask`); None: off.
+        options: TRL's ``importance_sampling_level`` (``sequence``: GSPO), ``delta`` (two-sided clipping), the
+            ``sapo`` / ``vespo`` parameters and ``off_policy_mask_threshold`` (:func:`off_policy_mask`); None: TRL's
+            defaults. Its entropy fields are the caller's (``entropy_mask``, ``entropy_coef``).
         entropy_mask: ``[B, T]`` the tokens the policy term trains (:func:`high_entropy_mask`); None: all.
         entropies: ``[B, T]`` the policy's entropy per token, with gradient: needed by the entropy bonus.
         entropy_coef: the entropy bonus's coefficient for this micro-batch; None: no bonus (0.0 is a bonus of 0,
@@ -211,10 +198,8 @@ def clipped_policy_loss(
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}.")
-    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-        raise ValueError(
-            f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, got {importance_sampling_level!r}."
-        )
+    options = PolicyLossOptions() if options is None else options
+    sequence_level = options.importance_sampling_level == "sequence"
     _check_epsilons(epsilon_low, epsilon_high)
     if logps.dim() != 2 or mask.shape != logps.shape or advantages.shape != logps.shape[:1]:
         raise ValueError(
@@ -227,10 +212,10 @@ def clipped_policy_loss(
     old_logps = logps.detach() if old_logps is None else old_logps
     column = advantages.unsqueeze(1)
     log_ratio = logps - old_logps
-    if importance_sampling_level == "token":
-        ratio = torch.exp(log_ratio)
-    else:  # [B, 1]: broadcast over the tokens below
+    if sequence_level:  # [B, 1]: broadcast over the tokens below
         ratio = torch.exp(((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1))
+    else:
+        ratio = torch.exp(log_ratio)
     kl = None
     if beta != 0.0:
         if ref_logps is None:
@@ -245,18 +230,19 @@ def clipped_policy_loss(
         means["cispo_clip_ratio"] = ((ratio > epsilon_high) & (column > 0)).float().detach()
     elif loss_type in CLIPPED_LOSS_TYPES:
         clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-        weight = ratio if delta is None else torch.clamp(ratio, max=delta)
+        weight = ratio if options.delta is None else torch.clamp(ratio, max=options.delta)
         per_token = -torch.min(weight * column, clipped * column)
         low, high = _clip_flags(weight.detach(), column, epsilon_low, epsilon_high)  # TRL flags the capped weight
     elif loss_type == "sapo":
-        temperatures = torch.where(column > 0, sapo_temperature_pos, sapo_temperature_neg)
+        temperatures = torch.where(column > 0, options.sapo_temperature_pos, options.sapo_temperature_neg)
         per_token = -(torch.sigmoid(temperatures * (ratio - 1)) * 4 / temperatures) * column
     else:  # vespo
-        phi = vespo_gamma_weights(column, log_ratio, mask, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)
+        phi = vespo_gamma_weights(column, log_ratio, mask, options.vespo_k_pos, options.vespo_lambda_pos,
+                                  options.vespo_k_neg, options.vespo_lambda_neg)  # fmt: skip
         per_token = -phi * column * logps
         means["vespo/phi_seq_mean"] = phi.squeeze(1)  # one per completion, as TRL counts it
-    if off_policy_mask_threshold is not None:
-        per_token = per_token * off_policy_mask(column, logps, old_logps, mask, off_policy_mask_threshold)
+    if options.off_policy_mask_threshold is not None:
+        per_token = per_token * off_policy_mask(column, logps, old_logps, mask, options.off_policy_mask_threshold)
     if entropy_mask is not None:
         per_token = per_token * entropy_mask
     if kl is not None:
@@ -268,7 +254,7 @@ def clipped_policy_loss(
         entropy_term = (entropies * effective).sum() / effective.sum().clamp(min=1.0) / accumulation_steps
         policy_loss = loss.detach()
         loss = loss - entropy_coef * entropy_term
-    if importance_sampling_level == "sequence":  # one value per completion, as TRL logs them
+    if sequence_level:  # one value per completion, as TRL logs them
         ratio, low, high = ratio.squeeze(1), _squeeze(low), _squeeze(high)
         means = {name: value.squeeze(1) if value.dim() == 2 else value for name, value in means.items()}
     kl = None if kl is None else kl.detach()
