@@ -54,8 +54,8 @@ from lit_memtrain.objectives.advantages import (
 )
 from lit_memtrain.objectives.causal_lm import CausalLMModule
 from lit_memtrain.objectives.entropy_bonus import EntropyBonus
-from lit_memtrain.objectives.grpo_options import MULTI_OBJECTIVE_AGGREGATIONS, ImportanceSamplingLevel, PolicyLossOptions
-from lit_memtrain.objectives.grpo_options import check_loss_combination
+from lit_memtrain.objectives.grpo_options import MULTI_OBJECTIVE_AGGREGATIONS, ImportanceSamplingLevel
+from lit_memtrain.objectives.grpo_options import PolicyLossOptions, check_loss_combination
 from lit_memtrain.objectives.optim import optimizer_and_schedule
 from lit_memtrain.objectives.policy_loss import LOSS_TYPES, PolicyLoss, PolicyLossType, clipped_policy_loss
 from lit_memtrain.objectives.policy_loss import high_entropy_mask
