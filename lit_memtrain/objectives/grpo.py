@@ -54,8 +54,8 @@ from lit_memtrain.objectives.advantages import (
 )
 from lit_memtrain.objectives.causal_lm import CausalLMModule
 from lit_memtrain.objectives.entropy_bonus import EntropyBonus
-from lit_memtrain.objectives.grpo_options import MULTI_OBJECTIVE_AGGREGATIONS, ImportanceSamplingLevel
-from lit_memtrain.objectives.grpo_options import PolicyLossOptions, check_loss_combination
+from lit_memtrain.objectives.grpo_options import ImportanceSamplingLevel, PolicyLossOptions, check_loss_combination
+from lit_memtrain.objectives.grpo_options import check_multi_objective_aggregation
 from lit_memtrain.objectives.optim import optimizer_and_schedule
 from lit_memtrain.objectives.policy_loss import LOSS_TYPES, PolicyLoss, PolicyLossType, clipped_policy_loss
 from lit_memtrain.objectives.policy_loss import high_entropy_mask
@@ -218,11 +218,7 @@ class GRPOModule(CausalLMModule):
             vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg, off_policy_mask_threshold, top_entropy_quantile,
             entropy_coef, use_adaptive_entropy, entropy_coef_min, entropy_coef_max, entropy_coef_delta, entropy_target,
         )  # fmt: skip
-        if multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
-            raise ValueError(
-                f"multi_objective_aggregation must be one of {MULTI_OBJECTIVE_AGGREGATIONS}, got "
-                f"{multi_objective_aggregation!r}."
-            )
+        check_multi_objective_aggregation(multi_objective_aggregation)
         super().__init__(learning_rate=learning_rate, **kwargs)
         self.automatic_optimization = False
         if self.tokenizer is None:

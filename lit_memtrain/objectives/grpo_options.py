@@ -25,6 +25,7 @@ __all__ = [
     "ImportanceSamplingLevel",
     "PolicyLossOptions",
     "check_loss_combination",
+    "check_multi_objective_aggregation",
 ]
 
 ImportanceSamplingLevel = Literal["token", "sequence"]
@@ -126,6 +127,11 @@ def check_loss_combination(loss_type: str, importance_sampling_level: str) -> No
             "completion by its length; GSPO's setup is policy_loss='grpo'.",
             stacklevel=3,
         )
+
+
+def check_multi_objective_aggregation(value: str) -> None:
+    if value not in MULTI_OBJECTIVE_AGGREGATIONS:
+        raise ValueError(f"multi_objective_aggregation must be one of {MULTI_OBJECTIVE_AGGREGATIONS}, got {value!r}.")
 
 
 def _finite(value: Any) -> bool:

@@ -47,7 +47,9 @@ VARIANTS = {
     "top-entropy": ("grpo", 0.0, {"top_entropy_quantile": 0.2}),
     "entropy-bonus": ("dapo", 0.1, {"entropy_coef": 0.05}),
     "entropy-bonus-top-entropy": ("bnpo", 0.0, {"entropy_coef": 0.05, "top_entropy_quantile": 0.5}),
+    "entropy-bonus-nll": ("dapo", 0.0, {"entropy_coef": 0.05}),  # the entropy of the model's logits (loss_type nll)
 }
+HOUSE_OPTIONS = {"entropy-bonus-nll": {"loss_type": "nll"}}  # ours alone: how the tokens are scored
 
 
 def _trl_trainer(saved_model, tokenizer, tmp_path, loss_type, beta, options):
@@ -102,7 +104,7 @@ def test_each_loss_variant_equals_trl_compute_loss(saved_model, tokenizer, tmp_p
     trl_loss.backward()
 
     module = _module(saved_model, policy_loss=loss_type, beta=beta, temperature=0.7, num_generations=G,
-                     max_completion_length=MAX_COMPLETION_LENGTH, **options)  # fmt: skip
+                     max_completion_length=MAX_COMPLETION_LENGTH, **options, **HOUSE_OPTIONS.get(variant, {}))
     out = module.slice_loss(rollout, module.loss_normalizer(rollout))
     out.loss.backward()
     # The loss sums advantage x weight (about 1), or x log-probability (cispo, vespo), of either sign.
@@ -170,10 +172,20 @@ def test_adaptive_entropy_control_equals_trl_over_two_optimizer_steps(saved_mode
     assert float(out.loss.detach()) != pytest.approx(float(out.policy_loss))  # the second step has a bonus
 
 
-def test_gspo_trains_through_a_lightning_trainer_and_logs_trls_names(saved_model, tmp_path):
-    """A GSPO run with the entropy bonus and the high-entropy mask: optimizer steps are taken and the metrics TRL
-    logs for them are logged under TRL's names, finite."""
+LIGHTNING_RUNS = {  # a variant per family of metrics: the clipped losses', cispo's
+    "gspo-entropy": ({"policy_loss": "grpo", "importance_sampling_level": "sequence", "entropy_coef": 0.01,
+                      "top_entropy_quantile": 0.5},
+                     ("clip_ratio/low_mean", "clip_ratio/high_max", "entropy", "policy_loss", "entropy_coef", "loss")),
+    "cispo": ({"policy_loss": "cispo", "epsilon_high": 1.1}, ("cispo_clip_ratio", "entropy", "loss")),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("run", list(LIGHTNING_RUNS))
+def test_a_variant_trains_through_a_lightning_trainer_and_logs_trls_names(saved_model, tmp_path, run):
+    """Optimizer steps are taken, the model changes, and the metrics TRL logs for the variant are logged under
+    TRL's names, finite (and the clip ratios only for the clipped losses, as TRL)."""
     from test_grpo_trl import FixedCompletions
+    from transformers import AutoModelForCausalLM
 
     from lit_memtrain.datamodules.prompts import PromptDataModule
     from lit_memtrain.models.generation import SamplingSettings
@@ -181,12 +193,12 @@ def test_gspo_trains_through_a_lightning_trainer_and_logs_trls_names(saved_model
     def length_reward(completion_ids, **kwargs):
         return [float(len(ids)) for ids in completion_ids]
 
+    options, names = LIGHTNING_RUNS[run]
     backend = FixedCompletions(SamplingSettings(MAX_COMPLETION_LENGTH, temperature=0.7), [2], 0)
     module = GRPOModule(
         model=saved_model, tokenizer="lit-memtrain/embedded", reward_funcs=[length_reward], num_generations=G,
-        max_completion_length=MAX_COMPLETION_LENGTH, temperature=0.7, generation_backend=backend,
-        policy_loss="grpo", importance_sampling_level="sequence", entropy_coef=0.01, top_entropy_quantile=0.5,
-        num_iterations=2, learning_rate=1e-3,
+        max_completion_length=MAX_COMPLETION_LENGTH, temperature=0.7, generation_backend=backend, num_iterations=2,
+        learning_rate=1e-3, **options,
     )  # fmt: skip
     datamodule = PromptDataModule(dataset=_prompts(), batch_size=3, max_prompt_length=None)
     trainer = Trainer(accelerator="cpu", max_steps=2, logger=CSVLogger(tmp_path), enable_checkpointing=False,
@@ -194,12 +206,11 @@ def test_gspo_trains_through_a_lightning_trainer_and_logs_trls_names(saved_model
     trainer.fit(module, datamodule=datamodule)
     assert trainer.global_step == 2
     logged = trainer.logged_metrics
-    for name in ("train/clip_ratio/low_mean", "train/clip_ratio/high_max", "train/entropy", "train/policy_loss",
-                 "train/entropy_coef", "train/loss"):  # fmt: skip
-        assert name in logged and torch.isfinite(logged[name]), name
-    assert float(logged["train/entropy_coef"]) == pytest.approx(0.01)
-    from transformers import AutoModelForCausalLM
-
+    for name in names:
+        assert f"train/{name}" in logged and torch.isfinite(logged[f"train/{name}"]), name
+    assert ("train/clip_ratio/low_mean" in logged) == (options["policy_loss"] != "cispo")
+    if "entropy_coef" in options:
+        assert float(logged["train/entropy_coef"]) == pytest.approx(options["entropy_coef"])
     initial = AutoModelForCausalLM.from_pretrained(saved_model).state_dict()
     trained = module.model.state_dict()
     assert any(not torch.equal(trained[name], initial[name]) for name in initial)  # the steps trained the model
