@@ -44,11 +44,18 @@ from lit_memtrain.objectives.advantages import (
     combine_rewards,
     group_relative_advantages,
     nanstd,
+    normalize_then_sum_advantages,
 )
 from lit_memtrain.objectives.online_rl import OnlineRLModule, callable_path, check_generation_backend
+from lit_memtrain.objectives.entropy_bonus import EntropyBonus
+from lit_memtrain.objectives.grpo_options import ImportanceSamplingLevel, PolicyLossOptions, check_loss_combination
+from lit_memtrain.objectives.grpo_options import check_multi_objective_aggregation
 from lit_memtrain.objectives.policy_loss import LOSS_TYPES, PolicyLoss, PolicyLossType, clipped_policy_loss
+from lit_memtrain.objectives.policy_loss import high_entropy_mask
+from lit_memtrain.objectives.ragged_gather import every_rank_values
 from lit_memtrain.objectives.reward_functions import RewardFunctions
 from lit_memtrain.objectives.rollout import Rollout
+from lit_memtrain.objectives.trl_config_fields import refuse_trl_fields
 
 __all__ = ["GRPOModule"]
 
@@ -66,6 +73,8 @@ class _StepStats:
     high_per_completion: list[Tensor] = field(default_factory=list)
     entropy: list[Tensor] = field(default_factory=list)  # the policy's entropy summed over the trained tokens
     entropy_tokens: list[Tensor] = field(default_factory=list)
+    policy_losses: list[Tensor] = field(default_factory=list)  # the loss without the entropy bonus, when it has one
+    means: dict[str, list[Tensor]] = field(default_factory=dict)  # name -> [sum, count] per micro-batch (PolicyLoss)
 
 
 def _check_positive_int(name: str, value: Any, minimum: int = 1) -> None:
@@ -93,8 +102,16 @@ class GRPOModule(OnlineRLModule):
             checked, with the backend's packages and its sampling support, before anything is built.
         gather_weights_for_generation: under FSDP2, gather the whole model once for generation rather than layer by
             layer per token (TRL's ``ds3_gather_for_generation``; the ``transformers`` backend).
-        policy_loss: TRL's ``loss_type``: ``dapo`` (default), ``grpo``, ``dr_grpo`` or ``bnpo``
-            (:mod:`~lit_memtrain.objectives.policy_loss`). (``loss_type`` is the house's ``chunked`` / ``nll``.)
+        policy_loss: TRL's ``loss_type``: ``dapo`` (default), ``grpo``, ``dr_grpo``, ``bnpo``, ``cispo``, ``sapo``,
+            ``luspo`` or ``vespo`` (:mod:`~lit_memtrain.objectives.policy_loss`). (``loss_type`` is the house's
+            ``chunked`` / ``nll``.)
+        importance_sampling_level, delta, sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos, vespo_lambda_pos,
+            vespo_k_neg, vespo_lambda_neg, off_policy_mask_threshold, top_entropy_quantile, entropy_coef,
+            use_adaptive_entropy, entropy_coef_min, entropy_coef_max, entropy_coef_delta, entropy_target: TRL 1.16's
+            loss variants and token controls, its names, defaults and meaning
+            (:class:`~lit_memtrain.objectives.grpo_options.PolicyLossOptions`).
+        multi_objective_aggregation: ``sum_then_normalize`` (default) or ``normalize_then_sum`` (each reward
+            function z-scored in its group, then the weighted sum z-scored over the batch; ``scale_rewards`` unused).
         scale_rewards: ``group`` (True), ``batch`` or ``none`` (False): what advantages are divided by.
         beta: weight of the KL term to the reference (0: no reference is built or run).
         epsilon, epsilon_high: the clip range ``[1 - epsilon, 1 + epsilon_high]`` (``epsilon_high`` defaults to
@@ -117,11 +134,12 @@ class GRPOModule(OnlineRLModule):
     Logged (``train/``, TRL's names): ``reward``, ``reward_std``, ``rewards/<function>/mean`` and ``/std``,
     ``frac_reward_zero_std``, ``completions/{mean,min,max}_length``, ``completions/clipped_ratio``,
     ``completions/{mean,min,max}_terminated_length``, ``kl`` (``beta != 0``), ``clip_ratio/{low_mean,low_min,
-    high_mean,high_max,region_mean}``, ``entropy`` (the policy's, in nats, at the sampling temperature, over the
-    trained completion tokens; the chunked loss measures it in its chunks of logits, at no extra memory), ``loss``,
-    ``tokens`` (trained tokens) and the throughput; ``val/reward``, ``val/rewards/<function>/mean`` and
-    ``val/completions/mean_length`` on validation prompts, over the whole validation set (every rank's
-    completions, whatever each rank's number of prompts).
+    high_mean,high_max,region_mean}`` (the clipped losses), ``cispo_clip_ratio``, ``vespo/phi_seq_mean``,
+    ``policy_loss`` and ``entropy_coef`` (with an entropy bonus), ``entropy`` (the policy's, in nats, at the sampling
+    temperature, over the trained completion tokens; the chunked loss measures it in its chunks of logits, at no extra
+    memory), ``loss``, ``tokens`` (trained tokens) and the throughput; ``val/reward``, ``val/rewards/<function>/mean``
+    and ``val/completions/mean_length`` on validation prompts, over the whole validation set (every rank's completions,
+    whatever each rank's number of prompts).
 
     Example:
         >>> module = GRPOModule(preset="tiny-qwen3", tokenizer="lit-memtrain/embedded", reward_funcs=[accuracy])
@@ -144,6 +162,23 @@ class GRPOModule(OnlineRLModule):
         generation_options: dict[str, Any] | None = None,
         gather_weights_for_generation: bool = True,
         policy_loss: PolicyLossType = "dapo",
+        importance_sampling_level: ImportanceSamplingLevel = "token",
+        delta: float | None = None,
+        sapo_temperature_pos: float = 1.0,
+        sapo_temperature_neg: float = 1.05,
+        vespo_k_pos: float = 2.0,
+        vespo_lambda_pos: float = 3.0,
+        vespo_k_neg: float = 3.0,
+        vespo_lambda_neg: float = 2.0,
+        off_policy_mask_threshold: float | None = None,
+        top_entropy_quantile: float = 1.0,
+        entropy_coef: float = 0.0,
+        use_adaptive_entropy: bool = False,
+        entropy_coef_min: float = 0.0,
+        entropy_coef_max: float = 1.0,
+        entropy_coef_delta: float = 0.005,
+        entropy_target: float = 0.2,
+        multi_objective_aggregation: str = "sum_then_normalize",
         scale_rewards: ScaleRewards | bool = "group",
         beta: float = 0.0,
         epsilon: float = 0.2,
@@ -162,7 +197,14 @@ class GRPOModule(OnlineRLModule):
             max_completion_length=max_completion_length, temperature=temperature, top_p=top_p, top_k=top_k,
             min_p=min_p, repetition_penalty=repetition_penalty, do_sample=do_sample,
         )  # fmt: skip
+        refuse_trl_fields(type(self).__name__, kwargs)  # a TRL field not offered: its name and the reason
         check_generation_backend(generation_backend, generation_options, sampling)  # before any model or tokenizer work
+        loss_options = PolicyLossOptions(
+            importance_sampling_level, delta, sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos,
+            vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg, off_policy_mask_threshold, top_entropy_quantile,
+            entropy_coef, use_adaptive_entropy, entropy_coef_min, entropy_coef_max, entropy_coef_delta, entropy_target,
+        )  # fmt: skip
+        check_multi_objective_aggregation(multi_objective_aggregation)
         super().__init__(learning_rate=learning_rate, **kwargs)
         self.automatic_optimization = False
         if self.tokenizer is None:
@@ -177,6 +219,7 @@ class GRPOModule(OnlineRLModule):
         _check_positive_int("steps_per_generation", steps_per_generation)
         if policy_loss not in LOSS_TYPES:
             raise ValueError(f"policy_loss (TRL's loss_type) must be one of {LOSS_TYPES}, got {policy_loss!r}.")
+        check_loss_combination(policy_loss, importance_sampling_level)
         if isinstance(scale_rewards, bool):
             scale_rewards = "group" if scale_rewards else "none"
         if scale_rewards not in SCALE_REWARDS:
@@ -193,6 +236,8 @@ class GRPOModule(OnlineRLModule):
         self.num_generations = num_generations
         self.scale_rewards: ScaleRewards = scale_rewards
         self.epsilon_low, self.epsilon_high = epsilon, epsilon_high
+        self.loss_options = loss_options
+        self.entropy_bonus = EntropyBonus(loss_options)
         self.steps_per_generation = steps_per_generation
         self.generation_backend: GenerationBackend | None = (
             generation_backend if isinstance(generation_backend, GenerationBackend) else None
@@ -294,7 +339,10 @@ class GRPOModule(OnlineRLModule):
         rewards ``[world * N, K]``, and the reward metrics TRL logs."""
         weights = self.reward_functions.weights.to(rewards_per_function.device)
         rewards = combine_rewards(rewards_per_function, weights)
-        grouped = group_relative_advantages(rewards, self.num_generations, self.scale_rewards)
+        if self.hparams.multi_objective_aggregation == "normalize_then_sum":
+            grouped = normalize_then_sum_advantages(rewards_per_function, weights, self.num_generations)
+        else:
+            grouped = group_relative_advantages(rewards, self.num_generations, self.scale_rewards)
         metrics = self._reward_metrics(rewards_per_function, rewards)
         metrics["frac_reward_zero_std"] = grouped.zero_std.float().mean()
         return grouped.advantages, metrics
@@ -309,11 +357,11 @@ class GRPOModule(OnlineRLModule):
     # ----------------------------------------------------------------------------------------- loss
 
     def loss_normalizer(self, rollout: Rollout) -> Tensor | None:
-        """DAPO's divisor for the micro-batches of ``rollout`` (None for the other losses): the trained tokens of
-        the generation batch over every rank, times ``gradient_accumulation_steps / (world_size *
-        steps_per_generation)`` (TRL's), so that the gradients of an optimizer step, averaged over ranks, are the
-        mean over every token it trains."""
-        if self.hparams.policy_loss != "dapo":
+        """DAPO's (CISPO's, VESPO's) divisor for the micro-batches of ``rollout`` (None for the other losses): the
+        trained tokens of the generation batch over every rank, times ``gradient_accumulation_steps / (world_size *
+        steps_per_generation)`` (TRL's), so that the gradients of an optimizer step, averaged over ranks, are the mean
+        over every token it trains."""
+        if self.hparams.policy_loss not in ("dapo", "cispo", "vespo"):
             return None
         tokens = self._sum_over_ranks(rollout.completion_mask().sum())
         scale = self.hparams.gradient_accumulation_steps / (self.trainer.world_size * self.steps_per_generation)
@@ -324,14 +372,23 @@ class GRPOModule(OnlineRLModule):
         ``normalizer``: :meth:`loss_normalizer`'s."""
         logps, entropy = self.completion_logps_and_entropies(part)
         mask = part.completion_mask().to(logps.device)
+        entropy_mask, quantile = None, self.loss_options.top_entropy_quantile
+        if quantile < 1:  # the quantile of every rank's trained tokens, as TRL's
+            kept = entropy.detach()[mask.bool()].float()
+            every_rank = every_rank_values(kept, self.all_gather, self.trainer.world_size)
+            entropy_mask = high_entropy_mask(entropy, mask, quantile, every_rank)
         out = clipped_policy_loss(
             logps, part.old_logps, part.advantages.to(logps.device), mask, loss_type=self.hparams.policy_loss,
             epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, beta=self.hparams.beta,
             ref_logps=part.ref_logps, bias_correction_kl=self.hparams.use_bias_correction_kl,
             accumulation_steps=self.hparams.gradient_accumulation_steps,
             max_completion_length=self.sampling.max_completion_length, dapo_normalizer=normalizer,
+            options=self.loss_options, entropy_mask=entropy_mask, entropies=entropy,
+            entropy_coef=self.entropy_bonus.coefficient(),
         )  # fmt: skip
-        return replace(out, entropy=entropy)
+        bonus_mask = mask if entropy_mask is None else mask * entropy_mask
+        self.entropy_bonus.observe((entropy.detach() * bonus_mask).sum(), bonus_mask.sum())
+        return replace(out, entropy=entropy.detach())
 
     def _record(self, stats: _StepStats, out: PolicyLoss, part: Rollout) -> None:
         """Add a micro-batch's loss and clip flags to ``stats``: per token, or per completion where the ratio is
@@ -344,10 +401,16 @@ class GRPOModule(OnlineRLModule):
         per_completion = mask.sum(-1)
         stats.losses.append(out.loss.detach())
         stats.counted.append(mask.sum())
-        stats.low.append((low * mask).sum())
-        stats.high.append((high * mask).sum())
-        stats.low_per_completion.append((low * mask).sum(-1) / per_completion)
-        stats.high_per_completion.append((high * mask).sum(-1) / per_completion)
+        if low is not None:  # the clipped losses' flags (TRL logs no clip_ratio for cispo, sapo, vespo)
+            stats.low.append((low * mask).sum())
+            stats.high.append((high * mask).sum())
+            stats.low_per_completion.append((low * mask).sum(-1) / per_completion)
+            stats.high_per_completion.append((high * mask).sum(-1) / per_completion)
+        if out.policy_loss is not None:
+            stats.policy_losses.append(out.policy_loss)
+        for name, value in out.means.items():  # per token, or per completion for [B] values
+            weights = part.completion_mask().to(value.device) if value.dim() == 2 else torch.ones_like(value)
+            stats.means.setdefault(name, []).append(torch.stack([(value * weights).sum(), weights.sum()]))
         if out.kl is not None:
             stats.kl.append((out.kl * mask).sum())
         if out.entropy is not None:  # over the trained tokens, whatever the flags count over
@@ -359,16 +422,25 @@ class GRPOModule(OnlineRLModule):
         world = self.trainer.world_size
         loss = self._sum_over_ranks(torch.stack(stats.losses).sum()) * self.hparams.gradient_accumulation_steps
         counted = self._sum_over_ranks(torch.stack(stats.counted).sum()).clamp(min=1)
-        low = self._sum_over_ranks(torch.stack(stats.low).sum()) / counted
-        high = self._sum_over_ranks(torch.stack(stats.high).sum()) / counted
-        metrics = {
-            "loss": loss / (passes * world),
-            "clip_ratio/low_mean": low,
-            "clip_ratio/high_mean": high,
-            "clip_ratio/region_mean": low + high,
-            "clip_ratio/low_min": _nanmin(self._gather_rows(torch.cat(stats.low_per_completion))),
-            "clip_ratio/high_max": _nanmax(self._gather_rows(torch.cat(stats.high_per_completion))),
-        }
+        metrics = {"loss": loss / (passes * world)}
+        if stats.low:
+            low = self._sum_over_ranks(torch.stack(stats.low).sum()) / counted
+            high = self._sum_over_ranks(torch.stack(stats.high).sum()) / counted
+            metrics |= {
+                "clip_ratio/low_mean": low,
+                "clip_ratio/high_mean": high,
+                "clip_ratio/region_mean": low + high,
+                "clip_ratio/low_min": _nanmin(self._gather_rows(torch.cat(stats.low_per_completion))),
+                "clip_ratio/high_max": _nanmax(self._gather_rows(torch.cat(stats.high_per_completion))),
+            }
+        if stats.policy_losses:
+            policy = self._sum_over_ranks(torch.stack(stats.policy_losses).sum())
+            metrics["policy_loss"] = policy * self.hparams.gradient_accumulation_steps / (passes * world)
+        for name, sums in stats.means.items():
+            total = self._sum_over_ranks(torch.stack(sums).sum(0))
+            metrics[name] = total[0] / total[1].clamp(min=1)
+        if self.entropy_bonus.enabled:
+            metrics["entropy_coef"] = torch.tensor(self.entropy_bonus.coef, device=self.device)
         if stats.kl:
             metrics["kl"] = self._sum_over_ranks(torch.stack(stats.kl).sum()) / counted
         if stats.entropy:
@@ -444,6 +516,25 @@ class GRPOModule(OnlineRLModule):
                 f"mean reward: first {window} batches {statistics.fmean(rewards[:window]):.4f} -> last {window} "
                 f"batches {statistics.fmean(rewards[-window:]):.4f} over {len(rewards)} batches"
             )
+
+    @property
+    def trains_on_entropy(self) -> bool:
+        """With an entropy bonus, the loss trains on the policy's entropy: scored with its gradient."""
+        return self.entropy_bonus.enabled
+
+    def _optimizer_step(self, optimizer: Any) -> None:
+        super()._optimizer_step(optimizer)
+        self.entropy_bonus.end_step(self._sum_over_ranks)  # the adaptive coefficient, from the step's entropy
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        checkpoint["lit_memtrain"]["entropy_bonus"] = self.entropy_bonus.state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        if "entropy_bonus" in checkpoint.get("lit_memtrain", {}):
+            self.entropy_bonus.load_state_dict(checkpoint["lit_memtrain"]["entropy_bonus"])
+
 
 def _nanmin(values: Tensor) -> Tensor:
     kept = values[~torch.isnan(values)]

@@ -67,6 +67,11 @@ class OnlineRLModule(CausalLMModule):
     """
 
     @property
+    def trains_on_entropy(self) -> bool:
+        """Whether the loss trains on the policy's entropy (scored with its gradient); False: logged only."""
+        return False
+
+    @property
     def scoring_temperature(self) -> float:
         """The temperature completions are scored at (the logits divided by it): the sampling one, as TRL's GRPO."""
         return self.sampling.temperature
@@ -165,8 +170,9 @@ class OnlineRLModule(CausalLMModule):
         return self._score_completions(rollout, self.model if model is None else model, with_entropy=False)[0]
 
     def completion_logps_and_entropies(self, rollout: Rollout) -> tuple[Tensor, Tensor]:
-        """:meth:`completion_logps` under the policy, and the entropy (nats, no gradient) of the policy's
-        distribution at each of those tokens at the sampling temperature (TRL's ``entropy``), 0 off the mask."""
+        """:meth:`completion_logps` under the policy, and the entropy (nats; with its gradient where
+        :attr:`trains_on_entropy`) of the policy's distribution at each of those tokens at the sampling temperature
+        (TRL's ``entropy``), 0 off the mask."""
         logps, entropy = self._score_completions(rollout, self.model, with_entropy=True)
         assert entropy is not None
         return logps, entropy
@@ -185,7 +191,10 @@ class OnlineRLModule(CausalLMModule):
             logits = model(**self._model_inputs(batch)).logits.flatten(0, 1) / temperature
             row = token_log_probs(logits, targets)
             chunk_size = self.hparams.loss_chunk_size
-            entropy = token_entropies(logits, targets, chunk_size=chunk_size) if with_entropy else None
+            with_grad = self.trains_on_entropy and torch.is_grad_enabled()  # an entropy bonus trains on it
+            entropy = None
+            if with_entropy:
+                entropy = token_entropies(logits, targets, chunk_size=chunk_size, with_grad=with_grad)
         elif is_sharded(model):
             scores = run_inside_forward(model, self._chunked_logps, model, batch, targets, temperature, with_entropy)
             row, entropy = scores
