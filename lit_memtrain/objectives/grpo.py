@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 import statistics
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -37,11 +38,14 @@ from typing import Any
 
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
 from lit_memtrain.datamodules.batch import scored_rows, shift_targets
 from lit_memtrain.models.builder import build_training_model, load_sharded
+from lit_memtrain.models.dropout import disable_dropout as disable_dropout_in_model
+from lit_memtrain.models.dropout import dropout_probabilities
 from lit_memtrain.models.generation import BACKENDS, GenerationBackend, SamplingSettings
 from lit_memtrain.models.lora import head_weight
 from lit_memtrain.objectives.advantages import (
@@ -52,7 +56,7 @@ from lit_memtrain.objectives.advantages import (
     nanstd,
 )
 from lit_memtrain.objectives.causal_lm import CausalLMModule
-from lit_memtrain.objectives.optim import optimizer_and_schedule
+from lit_memtrain.objectives.optim import optimizer_and_schedule, scale_gradients
 from lit_memtrain.objectives.policy_loss import LOSS_TYPES, PolicyLoss, PolicyLossType, clipped_policy_loss
 from lit_memtrain.objectives.reward_functions import RewardFunctions, TrainerState
 from lit_memtrain.objectives.rollout import Rollout, scoring_batch
@@ -124,6 +128,10 @@ class GRPOModule(CausalLMModule):
         max_grad_norm: clip the gradients' norm to this before each optimizer step (None: no clipping); Lightning's
             ``gradient_clip_val`` does not apply to manual optimisation.
         padding_free: score each slice as one padding-free row (documents kept apart); False: right-padded rows.
+        disable_dropout: TRL's (default False): set every dropout probability of the policy (LoRA adapter included)
+            to 0 (the frozen reference scores in eval mode). Completions are always sampled without dropout (eval
+            mode; vLLM has none), where TRL's ``transformers`` path samples in training mode: with dropout left on,
+            the fit says so once.
         learning_rate: TRL's default, 1e-6.
         **kwargs: every argument of :class:`~lit_memtrain.objectives.causal_lm.CausalLMModule` (model, preset, lora,
             tokenizer -- required here --, dtype, loss_type, loss_chunk_size, ...).
@@ -169,6 +177,7 @@ class GRPOModule(CausalLMModule):
         mask_truncated_completions: bool = False,
         max_grad_norm: float | None = 1.0,
         padding_free: bool = True,
+        disable_dropout: bool = False,
         learning_rate: float = 1e-6,
         **kwargs: Any,
     ) -> None:
@@ -271,6 +280,8 @@ class GRPOModule(CausalLMModule):
         if sharding and reference is not None and not is_sharded(reference):
             reference = load_sharded(reference, strategy.parallelize, strategy.parameter_device, strategy.root_device)
             object.__setattr__(self, "_reference_model", reference.requires_grad_(False).eval())
+        if self.hparams.disable_dropout:  # the frozen reference scores in eval mode: no dropout to disable
+            disable_dropout_in_model(self.model)
 
     def setup(self, stage: str) -> None:
         """Refuse context parallelism (a completion's log-probabilities need its whole sequence). Unlike
@@ -295,6 +306,12 @@ class GRPOModule(CausalLMModule):
         if self._reference_model is not None and not is_sharded(self._reference_model):
             self._reference_model.to(self.device)
         self.generation_backend_for_run()  # a backend that cannot serve this model fails now, not mid-step
+        if dropout_probabilities(self.model):
+            rank_zero_info(
+                f"Completions are sampled without dropout (eval mode) and trained with dropout "
+                f"{dropout_probabilities(self.model)}; TRL's transformers path samples in training mode, with it. "
+                "disable_dropout=True (TRL's option) trains without dropout too."
+            )
 
     def eos_token_ids(self) -> list[int]:
         """Every token id that ends a completion: the tokenizer's end of sequence and those of the model's
@@ -336,13 +353,18 @@ class GRPOModule(CausalLMModule):
         return config
 
     def estimated_optimizer_steps(self) -> int:
-        """The run's optimizer steps: ``max_steps``, else ``steps_per_generation * num_iterations /
-        gradient_accumulation_steps`` per training batch."""
+        """The run's optimizer steps: ``max_steps``, else per epoch ``steps_per_generation * num_iterations``
+        micro-batches per training batch over ``gradient_accumulation_steps``, a last, shorter window included."""
         trainer = self.trainer
         if trainer.max_steps > 0:
             return trainer.max_steps
-        per_batch = self.steps_per_generation * self.hparams.num_iterations / self.hparams.gradient_accumulation_steps
-        return max(1, int(trainer.estimated_stepping_batches * per_batch))
+        micro_batches = trainer.estimated_stepping_batches * self.steps_per_generation * self.hparams.num_iterations
+        accumulation = self.hparams.gradient_accumulation_steps
+        per_epoch, epochs = trainer.num_training_batches, trainer.max_epochs  # set by estimated_stepping_batches
+        if math.isfinite(per_epoch) and epochs is not None and epochs > 0:
+            per_epoch *= self.steps_per_generation * self.hparams.num_iterations
+            return max(1, math.ceil(per_epoch / accumulation) * epochs)
+        return max(1, int(micro_batches / accumulation))
 
     # ----------------------------------------------------------------------------------- log-probs
 
@@ -622,6 +644,7 @@ class GRPOModule(CausalLMModule):
                 self._micro_steps += 1
                 if self._micro_steps % self.hparams.gradient_accumulation_steps == 0:
                     self._optimizer_step(optimizer)
+        self._close_window_at_epoch_end(optimizer, batch_idx)
         metrics.update(self._loss_metrics(stats))
         prompts = len(batch["prompt_ids"])
         for name, value in metrics.items():
@@ -641,6 +664,18 @@ class GRPOModule(CausalLMModule):
         scheduler = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()
+
+    def _close_window_at_epoch_end(self, optimizer: Any, batch_idx: int) -> None:
+        """After an epoch's last batch, step on the micro-batches of a window left open, their gradients rescaled
+        to the mean over them, as the Hugging Face Trainer closes an epoch's last, shorter window (TRL divides the
+        loss by its ``current_gradient_accumulation_steps``); the next epoch starts a new window."""
+        accumulation = self.hparams.gradient_accumulation_steps
+        open_steps = self._micro_steps % accumulation
+        last = self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        if open_steps and (last or batch_idx + 1 >= self.trainer.num_training_batches):
+            scale_gradients(self.parameters(), accumulation / open_steps)
+            self._optimizer_step(optimizer)
+            self._micro_steps += accumulation - open_steps
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         """Generate and score completions of validation prompts (no loss): this rank's completions update

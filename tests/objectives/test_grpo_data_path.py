@@ -1,0 +1,112 @@
+"""How GRPOModule reads its data and steps, where TRL 1.16 and the Hugging Face Trainer set the behaviour: an epoch's
+last, shorter accumulation window is stepped with its gradients rescaled (the same weights as the plain runs it
+amounts to), and dropout (TRL's ``disable_dropout``; sampling without it said once), through real fits."""
+
+from __future__ import annotations
+
+import logging
+
+import datasets
+import pytest
+import torch
+from equivalence import TINY_MODEL_TERMS, assert_each_equal_up_to_rounding
+from lightning.pytorch import Callback, Trainer
+
+from lit_memtrain.datamodules.prompts import PromptDataModule
+from lit_memtrain.models.generation import GenerationBackend, SamplingSettings
+from lit_memtrain.models.lora import LoraSettings
+from lit_memtrain.objectives.grpo import GRPOModule
+
+OVERRIDES = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "num_key_value_heads": 1, "head_dim": 16}
+PROMPTS = ["What is 1 + 2?", "What is 30 + 4?", "What is 5 + 60?"]
+
+
+class PromptCompletions(GenerationBackend):
+    """Completions that depend on the prompt alone: every run trains on the same ones, whatever its weights."""
+
+    def generate(self, model, prompt_ids, num_generations, device, weights_version):
+        return [[10 + (sum(ids) + 7 * g + k) % 50 for k in range(3)] for ids in prompt_ids for g in range(num_generations)]
+
+
+def _token_sum(completion_ids, **kwargs):
+    return [float(sum(ids) % 5) for ids in completion_ids]
+
+
+def _module(accumulation: int, **options) -> GRPOModule:
+    torch.manual_seed(0)
+    backend = PromptCompletions(SamplingSettings(max_completion_length=3), [2], 0)
+    module = GRPOModule(
+        preset="tiny-qwen3", config_overrides=OVERRIDES, tokenizer="lit-memtrain/embedded", reward_funcs=[_token_sum],
+        num_generations=2, max_completion_length=3, generation_backend=backend, policy_loss="grpo",
+        gradient_accumulation_steps=accumulation, steps_per_generation=1, max_grad_norm=None, warmup=0,
+        min_lr_ratio=1.0, optimizer={"class_path": "torch.optim.SGD", "init_args": {"lr": 0.5}}, **options,
+    )  # fmt: skip
+    module.configure_model()
+    return module
+
+
+class Prompts(Callback):
+    def __init__(self) -> None:
+        self.batches: list[list[str]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.batches.append(list(batch["prompt"]))
+
+
+def _fit(module: GRPOModule, prompts: list[str], batch_size: int, max_epochs: int = 1) -> tuple[Trainer, Prompts]:
+    record = Prompts()
+    trainer = Trainer(max_epochs=max_epochs, accelerator="cpu", logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[record])
+    data = datasets.Dataset.from_list([{"prompt": prompt} for prompt in prompts])
+    trainer.fit(module, datamodule=PromptDataModule(dataset=data, batch_size=batch_size, seed=0))
+    return trainer, record
+
+
+def test_an_epochs_last_shorter_window_steps_rescaled_as_the_hugging_face_trainer():
+    """3 batches, gradient_accumulation_steps=2: a step on the first two, then one on the third alone at its own
+    scale; the same weights as a plain step on the first two prompts together, then one on the third."""
+    windowed = _module(accumulation=2)
+    trainer, record = _fit(windowed, PROMPTS, batch_size=1)
+    assert trainer.global_step == 2 and len(record.batches) == 3
+
+    first_two = [prompt for batch in record.batches[:2] for prompt in batch]
+    plain = _module(accumulation=1)
+    _fit(plain, first_two, batch_size=2)
+    last = _module(accumulation=1)
+    last.model.load_state_dict(plain.model.state_dict())
+    _fit(last, record.batches[2], batch_size=1)
+    assert_each_equal_up_to_rounding(
+        dict(windowed.model.named_parameters()), dict(last.model.named_parameters()), terms=TINY_MODEL_TERMS
+    )
+
+
+def test_each_epoch_starts_a_new_window_and_the_schedule_counts_the_short_ones():
+    module = _module(accumulation=2)
+    trainer, _ = _fit(module, PROMPTS, batch_size=1, max_epochs=2)
+    assert trainer.global_step == 4  # windows: batches {0, 1}, {2} of each epoch
+    assert module.estimated_optimizer_steps() == 4
+
+
+@pytest.mark.parametrize("disable_dropout", [False, True])
+def test_dropout_is_disabled_as_trl_or_sampling_without_it_is_said_once(caplog, disable_dropout):
+    module = _module(accumulation=1, lora=LoraSettings(r=2, alpha=4, dropout=0.3), disable_dropout=disable_dropout)
+    seen = set()
+
+    class DropoutInTraining(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            seen.update(m.p for m in pl_module.model.modules() if isinstance(m, torch.nn.Dropout))
+
+    trainer = Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False, callbacks=[
+        DropoutInTraining()], enable_progress_bar=False, enable_model_summary=False)
+    data = datasets.Dataset.from_list([{"prompt": prompt} for prompt in PROMPTS[:2]])
+    with caplog.at_level(logging.INFO):
+        trainer.fit(module, datamodule=PromptDataModule(dataset=data, batch_size=1, seed=0))
+    said = [r.getMessage() for r in caplog.records if "Completions are sampled without dropout" in r.getMessage()]
+    if disable_dropout:
+        assert seen == {0.0} and said == []
+    else:
+        assert seen == {0.3} and said == [
+            "Completions are sampled without dropout (eval mode) and trained with dropout [0.3]; TRL's transformers "
+            "path samples in training mode, with it. disable_dropout=True (TRL's option) trains without dropout too."
+        ]
