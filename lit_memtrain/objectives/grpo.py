@@ -60,6 +60,7 @@ from lit_memtrain.objectives.optim import optimizer_and_schedule, scale_gradient
 from lit_memtrain.objectives.policy_loss import LOSS_TYPES, PolicyLoss, PolicyLossType, clipped_policy_loss
 from lit_memtrain.objectives.reward_functions import RewardFunctions, TrainerState
 from lit_memtrain.objectives.rollout import Rollout, scoring_batch
+from lit_memtrain.objectives.sampling_correction import SamplingCorrection, SamplingCorrectionMode
 from lit_memtrain.parallel.fsdp import is_sharded, run_inside_forward
 from lit_memtrain.techniques.logprobs import (
     chunked_token_log_probs,
@@ -123,6 +124,12 @@ class GRPOModule(CausalLMModule):
             ``gradient_accumulation_steps``).
         gradient_accumulation_steps: micro-batches per optimizer step (Lightning's ``accumulate_grad_batches`` does
             not apply to manual optimisation).
+        vllm_importance_sampling_correction: TRL's (default True): with a backend that reports its sampling
+            log-probabilities (the vLLM ones), weigh each token's loss by ``exp(trainer's - engine's log-probability)``
+            (:mod:`~lit_memtrain.objectives.sampling_correction`); logged as TRL's ``sampling/...``. The trainer's
+            log-probabilities are then computed at generation time, on-policy too. Other backends: nothing to correct.
+        vllm_importance_sampling_mode, vllm_importance_sampling_clip_max, vllm_importance_sampling_clip_min: TRL's
+            (``sequence_mask``, 3.0, None): per token or per sequence, truncated or masked outside the bounds.
         mask_truncated_completions: train no token of a completion that reached ``max_completion_length`` without
             an end of sequence (its reward still counts in its group).
         max_grad_norm: clip the gradients' norm to this before each optimizer step (None: no clipping); Lightning's
@@ -174,6 +181,10 @@ class GRPOModule(CausalLMModule):
         num_iterations: int = 1,
         steps_per_generation: int | None = None,
         gradient_accumulation_steps: int = 1,
+        vllm_importance_sampling_correction: bool = True,
+        vllm_importance_sampling_mode: SamplingCorrectionMode = "sequence_mask",
+        vllm_importance_sampling_clip_max: float | None = 3.0,
+        vllm_importance_sampling_clip_min: float | None = None,
         mask_truncated_completions: bool = False,
         max_grad_norm: float | None = 1.0,
         padding_free: bool = True,
@@ -212,6 +223,13 @@ class GRPOModule(CausalLMModule):
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0 or None (no clipping), got {max_grad_norm}.")
         self.sampling = sampling
+        self.sampling_correction = (
+            SamplingCorrection(
+                vllm_importance_sampling_mode, vllm_importance_sampling_clip_max, vllm_importance_sampling_clip_min
+            )
+            if vllm_importance_sampling_correction
+            else None
+        )
         self.reward_functions = RewardFunctions(reward_funcs, reward_weights)
         self.num_generations = num_generations
         self.scale_rewards: ScaleRewards = scale_rewards
@@ -509,16 +527,26 @@ class GRPOModule(CausalLMModule):
         ends = {*backend.eos_token_ids, self.tokenizer.pad_token_id}
         truncated = torch.tensor([not ids or ids[-1] not in ends for ids in completion_ids])
         trained = ~truncated if self.hparams.mask_truncated_completions else torch.ones_like(truncated)
-        return Rollout.of(repeat(prompt_ids), completion_ids, trained), rewards, truncated, logged
+        rollout = Rollout.of(repeat(prompt_ids), completion_ids, trained)
+        if backend.sampling_logprobs is not None:
+            rollout = rollout.with_sampling_logps(backend.sampling_logprobs)
+        return rollout, rewards, truncated, logged
 
     def prepare_rollout(self, rollout: Rollout, rewards: Tensor) -> tuple[Rollout, dict[str, Tensor]]:
         """What training needs of a scored rollout: the sampling policy's log-probabilities (off-policy), the
         reference's (``beta != 0``) and this rank's share of the advantages, computed from every rank's rewards;
-        and the reward metrics TRL logs."""
-        old = self._no_grad_logps(rollout) if self.needs_old_logps else None
+        and the reward metrics TRL logs; with the vLLM importance-sampling correction, its weights and metrics."""
+        correction = self.sampling_correction if rollout.sampling_logps is not None else None
+        old = self._no_grad_logps(rollout) if self.needs_old_logps or correction else None
         ref = self.reference_logps(rollout) if self.hparams.beta != 0 else None
         rollout = replace(rollout, old_logps=old, ref_logps=ref)
         advantages, metrics = self.compute_advantages(self._gather_rows(rewards), rollout)
+        if correction is not None:
+            mask, sampling = rollout.completion_mask().to(old.device), rollout.sampling_logps.to(old.device)
+            ratio = correction.ratio(old, sampling, mask)
+            per_rank = self._gather_rows(correction.rank_statistics(old, sampling, mask, ratio).unsqueeze(0))
+            metrics.update(correction.metrics(per_rank))
+            rollout = replace(rollout, sampling_ratio=ratio)
         rank = self.trainer.global_rank
         return replace(rollout, advantages=advantages[rank * len(rollout) : (rank + 1) * len(rollout)]), metrics
 
@@ -577,6 +605,7 @@ class GRPOModule(CausalLMModule):
             ref_logps=part.ref_logps, bias_correction_kl=self.hparams.use_bias_correction_kl,
             accumulation_steps=self.hparams.gradient_accumulation_steps,
             max_completion_length=self.sampling.max_completion_length, dapo_normalizer=normalizer,
+            importance_weights=part.sampling_ratio,
         )  # fmt: skip
         return replace(out, entropy=entropy)
 

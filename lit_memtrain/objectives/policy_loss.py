@@ -95,6 +95,7 @@ def clipped_policy_loss(
     accumulation_steps: int = 1,
     max_completion_length: int | None = None,
     dapo_normalizer: Tensor | float | None = None,
+    importance_weights: Tensor | None = None,
 ) -> PolicyLoss:
     """GRPO's clipped surrogate loss of one micro-batch (TRL's ``_compute_loss``, token-level importance sampling).
 
@@ -112,6 +113,8 @@ def clipped_policy_loss(
         accumulation_steps: micro-batches per optimizer step (``grpo``, ``bnpo``, ``dr_grpo`` divide by it).
         max_completion_length: ``dr_grpo``'s constant.
         dapo_normalizer: ``dapo``'s divisor (:meth:`~lit_memtrain.objectives.grpo.GRPOModule.loss_normalizer`).
+        importance_weights: ``[B, T]`` or ``[B, 1]`` weights of the clipped term (TRL's vLLM importance-sampling
+            ratio, :mod:`~lit_memtrain.objectives.sampling_correction`), applied before the KL term is added.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}.")
@@ -127,6 +130,8 @@ def clipped_policy_loss(
     column = advantages.unsqueeze(1)
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
     per_token = -torch.min(ratio * column, clipped * column)
+    if importance_weights is not None:
+        per_token = per_token * importance_weights
     kl = None
     if beta != 0.0:
         if ref_logps is None:

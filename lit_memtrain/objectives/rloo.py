@@ -29,7 +29,10 @@ from lit_memtrain.objectives.rollout import Rollout
 
 __all__ = ["RLOOModule"]
 
-_GRPO_ONLY = ("policy_loss", "scale_rewards", "use_bias_correction_kl")
+_GRPO_ONLY = (
+    "policy_loss", "scale_rewards", "use_bias_correction_kl", "vllm_importance_sampling_correction",
+    "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min",
+)  # fmt: skip
 
 
 class RLOOModule(GRPOModule):
@@ -43,7 +46,8 @@ class RLOOModule(GRPOModule):
         reward_clip_range: clip each combined reward to ``(min, max)`` before the baseline (None: no clipping).
         **kwargs: every other argument of :class:`~lit_memtrain.objectives.grpo.GRPOModule` (sampling, epsilon,
             num_iterations, steps_per_generation, mask_truncated_completions, model and optimizer options), but
-            GRPO's ``policy_loss``, ``scale_rewards`` and ``use_bias_correction_kl``, which RLOO does not have.
+            GRPO's ``policy_loss``, ``scale_rewards``, ``use_bias_correction_kl`` and ``vllm_importance_sampling_*``
+            (TRL's ``RLOOTrainer`` has no vLLM importance-sampling correction), which RLOO does not have.
 
     Logged: as GRPOModule, with ``kl`` the mean over completion tokens of ``logp_old - logp_ref`` (``beta != 0``)
     and the clip ratios counted per completion.
@@ -72,6 +76,7 @@ class RLOOModule(GRPOModule):
         super().__init__(reward_funcs, num_generations=num_generations, beta=beta, **kwargs)
         for name in _GRPO_ONLY:  # GRPO's defaults, which RLOO does not read: not saved as RLOO's settings
             del self.hparams[name]
+        self.sampling_correction = None  # TRL's RLOOTrainer has no vLLM importance-sampling correction
         self.reward_clip_range = None if reward_clip_range is None else tuple(reward_clip_range)
 
     @property
