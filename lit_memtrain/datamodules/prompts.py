@@ -98,6 +98,8 @@ class PromptDataModule(TokenizedSplitsDataModule):
             option); longer prompts are cut and counted. The memory planner needs it set: the longest prompt it plans.
         prompt_truncation: which tokens ``max_prompt_length`` keeps: ``keep_end`` (the last, nearest the answer) or
             ``keep_start``.
+        chat_template_kwargs: TRL's: keyword arguments of the chat template that renders conversational prompts
+            (e.g. ``{"enable_thinking": False}`` for Qwen3).
         val_size: fraction (< 1) or number (>= 1) of training prompts held out for validation.
         val_split: name of an existing split to validate on instead.
         batch_size: prompts per batch on each rank (each gets the module's ``num_generations`` completions: TRL's
@@ -125,6 +127,7 @@ class PromptDataModule(TokenizedSplitsDataModule):
         split: str = "train",
         max_prompt_length: int | None = None,
         prompt_truncation: PromptTruncation = "keep_end",
+        chat_template_kwargs: dict[str, Any] | None = None,
         val_size: float = 0.0,
         val_split: str | None = None,
         batch_size: int = 8,
@@ -143,6 +146,10 @@ class PromptDataModule(TokenizedSplitsDataModule):
             raise ValueError(
                 f"batch_size and val_batch_size must be at least 1 prompt, got {batch_size} and {val_batch_size}."
             )
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise TypeError(
+                f"chat_template_kwargs must be a dict of the chat template's arguments, got {chat_template_kwargs!r}."
+            )
         check_validation_args(val_size, val_split)
         self.save_hyperparameters(ignore=["dataset"] if not isinstance(dataset, str) else None)
         self.tokenizer_name = tokenizer
@@ -152,6 +159,7 @@ class PromptDataModule(TokenizedSplitsDataModule):
         self.split = split
         self.max_prompt_length = max_prompt_length
         self.prompt_truncation = prompt_truncation
+        self.chat_template_kwargs = chat_template_kwargs
         self.val_size = val_size
         self.val_split = val_split
         self.batch_size = batch_size
@@ -186,6 +194,7 @@ class PromptDataModule(TokenizedSplitsDataModule):
                 "tokenizer": self.tokenizer,
                 "max_prompt_length": self.max_prompt_length,
                 "prompt_truncation": self.prompt_truncation,
+                "chat_template_kwargs": self.chat_template_kwargs,
             },
             num_proc=self.num_proc,
             desc=f"Tokenizing {name} (prompts)",

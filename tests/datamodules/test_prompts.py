@@ -3,6 +3,7 @@ columns kept for the reward functions, prompts cut to max_prompt_length and coun
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import random
@@ -130,3 +131,29 @@ def test_an_epochs_incomplete_batch_is_dropped_as_trls_sampler_drops_it(drop_las
         small = PromptDataModule(dataset=data.select(range(2)), batch_size=3)
         small.setup("fit")
         small.train_dataloader()
+
+
+def test_chat_template_kwargs_render_prompts_as_trls_grpo_trainer(tokenizer, tmp_path):
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    from lit_memtrain.models.presets import build_config
+
+    thinking = copy.deepcopy(tokenizer)  # a Qwen3-style switch after the generation prompt
+    thinking.chat_template += "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+    thinking.save_pretrained(tmp_path / "thinking")
+    options = {"enable_thinking": False}
+    _, batch = _loaded(_conversational(), tokenizer=str(tmp_path / "thinking"), chat_template_kwargs=options)
+    model = AutoModelForCausalLM.from_config(build_config("tiny-qwen3", {"hidden_size": 16, "intermediate_size": 32,
+        "num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 16}))  # fmt: skip
+    config = GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, report_to=[], chat_template_kwargs=options,
+                        per_device_train_batch_size=2, num_generations=2)  # fmt: skip
+    trl = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=config,
+                      train_dataset=_conversational(), processing_class=thinking)  # fmt: skip
+    theirs, _, _ = trl._tokenize_prompts([[{"role": "user", "content": q}] for q in QUESTIONS])
+    plain = [thinking.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                          return_dict=True)["input_ids"] for q in QUESTIONS]  # fmt: skip
+    assert all(isinstance(ids[0], int) for ids in plain)
+    assert sorted(map(tuple, batch["prompt_ids"])) == sorted(map(tuple, theirs)) != sorted(map(tuple, plain))
+    with pytest.raises(TypeError, match="chat_template_kwargs must be a dict"):
+        PromptDataModule(chat_template_kwargs="enable_thinking=False")
