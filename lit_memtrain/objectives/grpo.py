@@ -100,6 +100,8 @@ class GRPOModule(CausalLMModule):
             -> list[float | None]``, or import paths to them (how a YAML config names them).
         reward_weights: one weight per reward function (default 1.0 each); the reward is their weighted sum.
         num_generations: completions per prompt (``G``, at least 2: advantages compare them).
+        num_generations_eval: TRL's: completions per validation prompt (default: ``num_generations``; 1 is enough:
+            validation computes no advantage).
         max_completion_length, temperature, top_p, top_k, min_p, repetition_penalty, do_sample: how completions
             are drawn (:class:`~lit_memtrain.models.generation.SamplingSettings`); the loss scores them at the same
             ``temperature``.
@@ -122,6 +124,10 @@ class GRPOModule(CausalLMModule):
         num_iterations: passes over each generation batch (TRL's ``mu``); more than one trains off-policy.
         steps_per_generation: slices each generation batch is trained in, one micro-batch each (default:
             ``gradient_accumulation_steps``).
+        generation_batch_size: TRL's: completions per generation over every rank, which here is the datamodule's
+            ``batch_size`` (prompts per rank) x ``num_generations`` x ranks: checked at fit start when given (a fit
+            whose batches hold another number fails, saying the ``batch_size`` that matches). As in TRL, not with
+            ``steps_per_generation``.
         gradient_accumulation_steps: micro-batches per optimizer step (Lightning's ``accumulate_grad_batches`` does
             not apply to manual optimisation).
         vllm_importance_sampling_correction: TRL's (default True): with a backend that reports its sampling
@@ -162,6 +168,7 @@ class GRPOModule(CausalLMModule):
         reward_funcs: Sequence[str | Callable[..., Any]] | str | Callable[..., Any],
         reward_weights: Sequence[float] | None = None,
         num_generations: int = 8,
+        num_generations_eval: int | None = None,
         max_completion_length: int = 512,
         temperature: float = 1.0,
         top_p: float = 1.0,
@@ -180,6 +187,7 @@ class GRPOModule(CausalLMModule):
         use_bias_correction_kl: bool = True,
         num_iterations: int = 1,
         steps_per_generation: int | None = None,
+        generation_batch_size: int | None = None,
         gradient_accumulation_steps: int = 1,
         vllm_importance_sampling_correction: bool = True,
         vllm_importance_sampling_mode: SamplingCorrectionMode = "sequence_mask",
@@ -205,8 +213,14 @@ class GRPOModule(CausalLMModule):
                 "decodes completions for the reward functions and ends them at its end-of-sequence token."
             )
         _check_positive_int("num_generations", num_generations, minimum=2)
+        num_generations_eval = num_generations if num_generations_eval is None else num_generations_eval
+        _check_positive_int("num_generations_eval", num_generations_eval)
         _check_positive_int("num_iterations", num_iterations)
         _check_positive_int("gradient_accumulation_steps", gradient_accumulation_steps)
+        if generation_batch_size is not None:
+            _check_positive_int("generation_batch_size", generation_batch_size, minimum=num_generations)
+            if steps_per_generation is not None:
+                raise ValueError("generation_batch_size and steps_per_generation cannot both be set (TRL's rule).")
         steps_per_generation = gradient_accumulation_steps if steps_per_generation is None else steps_per_generation
         _check_positive_int("steps_per_generation", steps_per_generation)
         if policy_loss not in LOSS_TYPES:
@@ -231,7 +245,7 @@ class GRPOModule(CausalLMModule):
             else None
         )
         self.reward_functions = RewardFunctions(reward_funcs, reward_weights)
-        self.num_generations = num_generations
+        self.num_generations, self.num_generations_eval = num_generations, num_generations_eval
         self.scale_rewards: ScaleRewards = scale_rewards
         self.epsilon_low, self.epsilon_high = epsilon, epsilon_high
         self.steps_per_generation = steps_per_generation
@@ -321,6 +335,9 @@ class GRPOModule(CausalLMModule):
         batch_size = getattr(self.trainer.datamodule, "batch_size", None)
         if isinstance(batch_size, int):
             self._check_slices(batch_size)
+            _check_generation_batch_size(
+                self.hparams.generation_batch_size, batch_size, self.num_generations, self.trainer.world_size
+            )
         if self._reference_model is not None and not is_sharded(self._reference_model):
             self._reference_model.to(self.device)
         self.generation_backend_for_run()  # a backend that cannot serve this model fails now, not mid-step
@@ -504,7 +521,8 @@ class GRPOModule(CausalLMModule):
         the rank holds): the rollout, its rewards ``[N, K]``, which completions were truncated ``[N]`` and what the
         reward functions logged."""
         prompts, prompt_ids, columns = batch["prompt"], batch["prompt_ids"], batch.get("columns", {})
-        generations, backend = self.num_generations, self.generation_backend_for_run()
+        generations = self.num_generations if self.training else self.num_generations_eval
+        backend = self.generation_backend_for_run()
         completion_ids = backend.generate(self.model, prompt_ids, generations, self.device, self.trainer.global_step)
         if len(completion_ids) != len(prompt_ids) * generations:
             raise RuntimeError(
@@ -714,7 +732,7 @@ class GRPOModule(CausalLMModule):
         rollout, rewards, _, _ = self._generate_and_score(batch, where)
         rewards = rewards.to(self.device)
         prompts = scored_rows(batch, len(batch["prompt_ids"]), self.device)
-        weights = prompts.repeat_interleave(self.num_generations).float()  # completions of a prompt follow it
+        weights = prompts.repeat_interleave(self.num_generations_eval).float()  # completions of a prompt follow it
         metrics = self.val_metrics
         metrics["reward"].update(combine_rewards(rewards, self.reward_functions.weights), weight=weights)
         lengths = torch.tensor([len(ids) for ids in rollout.completion_ids], dtype=torch.float32, device=self.device)
@@ -781,6 +799,20 @@ def _check_backend(
     backend_class.check_available()
     backend_class.check_options(options or {})
     backend_class.check_sampling(sampling)
+
+
+def _check_generation_batch_size(expected: int | None, prompts: int, generations: int, world: int) -> None:
+    """Refuse a fit whose generation batches (``prompts`` per rank x ``generations`` x ``world``) are not TRL's
+    ``generation_batch_size`` completions, saying which ``batch_size`` would be."""
+    if expected is None or prompts * generations * world == expected:
+        return
+    per_rank, remainder = divmod(expected, generations * world)
+    fix = f"batch_size={per_rank}" if per_rank and not remainder else "a multiple of num_generations x ranks"
+    raise ValueError(
+        f"generation_batch_size={expected} completions, but each generation batch here is batch_size={prompts} "
+        f"prompts x num_generations={generations} x {world} ranks = {prompts * generations * world}: the datamodule's "
+        f"batch_size counts prompts per rank. Use {fix}, or leave generation_batch_size out."
+    )
 
 
 def _import_path(function: Callable[..., Any]) -> str:

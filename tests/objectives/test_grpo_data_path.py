@@ -39,8 +39,8 @@ def _module(accumulation: int, **options) -> GRPOModule:
     module = GRPOModule(
         preset="tiny-qwen3", config_overrides=OVERRIDES, tokenizer="lit-memtrain/embedded", reward_funcs=[_token_sum],
         num_generations=2, max_completion_length=3, generation_backend=backend, policy_loss="grpo",
-        gradient_accumulation_steps=accumulation, steps_per_generation=1, max_grad_norm=None, warmup=0,
-        min_lr_ratio=1.0, optimizer={"class_path": "torch.optim.SGD", "init_args": {"lr": 0.5}}, **options,
+        gradient_accumulation_steps=accumulation, max_grad_norm=None, warmup=0, min_lr_ratio=1.0,
+        optimizer={"class_path": "torch.optim.SGD", "init_args": {"lr": 0.5}}, **{"steps_per_generation": 1, **options},
     )  # fmt: skip
     module.configure_model()
     return module
@@ -110,3 +110,43 @@ def test_dropout_is_disabled_as_trl_or_sampling_without_it_is_said_once(caplog, 
             "Completions are sampled without dropout (eval mode) and trained with dropout [0.3]; TRL's transformers "
             "path samples in training mode, with it. disable_dropout=True (TRL's option) trains without dropout too."
         ]
+
+
+def test_validation_draws_num_generations_eval_completions_per_prompt():
+    """TRL's num_generations_eval: training draws num_generations of each prompt, validation this many."""
+    drawn = []
+
+    class Recording(PromptCompletions):
+        def generate(self, model, prompt_ids, num_generations, device, weights_version):
+            drawn.append((model.training, len(prompt_ids), num_generations))
+            return super().generate(model, prompt_ids, num_generations, device, weights_version)
+
+    backend = Recording(SamplingSettings(max_completion_length=3), [2], 0)
+    module = GRPOModule(preset="tiny-qwen3", config_overrides=OVERRIDES, tokenizer="lit-memtrain/embedded",
+                        reward_funcs=[_token_sum], num_generations=2, num_generations_eval=3, max_completion_length=3,
+                        generation_backend=backend)  # fmt: skip
+    trainer = Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    data = datasets.Dataset.from_list([{"prompt": prompt} for prompt in PROMPTS + ["What is 7 + 8?"]])
+    trainer.fit(module, datamodule=PromptDataModule(dataset=data, batch_size=2, val_size=2, seed=0))
+    assert drawn == [(True, 2, 2), (False, 2, 3)]
+    assert trainer.callback_metrics["val/completions/mean_length"] == 3
+    with pytest.raises(ValueError, match="num_generations_eval must be an int >= 1, got 0"):
+        GRPOModule(preset="tiny-qwen3", tokenizer="lit-memtrain/embedded", reward_funcs=[_token_sum],
+                   num_generations_eval=0)  # fmt: skip
+
+
+def test_generation_batch_size_is_trls_count_of_completions_per_generation():
+    def fit(generation_batch_size: int) -> Trainer:
+        module = _module(accumulation=1, generation_batch_size=generation_batch_size, steps_per_generation=None)
+        trainer = Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                          enable_progress_bar=False, enable_model_summary=False)
+        data = datasets.Dataset.from_list([{"prompt": prompt} for prompt in PROMPTS])
+        trainer.fit(module, datamodule=PromptDataModule(dataset=data, batch_size=3, seed=0))
+        return trainer
+
+    assert fit(6).global_step == 1  # 3 prompts x 2 generations
+    with pytest.raises(ValueError, match=r"generation_batch_size=8 completions, .* = 6: .* Use batch_size=4"):
+        fit(8)
+    with pytest.raises(ValueError, match="cannot both be set"):
+        _module(accumulation=1, generation_batch_size=8, steps_per_generation=2)
