@@ -102,8 +102,9 @@ class GRPOModule(CausalLMModule):
         num_generations: completions per prompt (``G``, at least 2: advantages compare them).
         num_generations_eval: TRL's: completions per validation prompt (default: ``num_generations``; 1 is enough:
             validation computes no advantage).
-        max_completion_length, temperature, top_p, top_k, min_p, repetition_penalty, do_sample: how completions
-            are drawn (:class:`~lit_memtrain.models.generation.SamplingSettings`); the loss scores them at the same
+        max_completion_length, temperature, top_p, top_k, min_p, repetition_penalty, do_sample, generation_kwargs
+            (TRL's: further arguments of the backend's sampling): how completions are drawn
+            (:class:`~lit_memtrain.models.generation.SamplingSettings`); the loss scores them at the same
             ``temperature``.
         generation_backend: a name of :data:`~lit_memtrain.models.generation.BACKENDS`: ``"transformers"``
             (Hugging Face ``generate``, the default), ``"transformers_continuous"`` (continuous batching),
@@ -176,6 +177,7 @@ class GRPOModule(CausalLMModule):
         min_p: float | None = None,
         repetition_penalty: float = 1.0,
         do_sample: bool = True,
+        generation_kwargs: dict[str, Any] | None = None,
         generation_backend: str | GenerationBackend = "transformers",
         generation_options: dict[str, Any] | None = None,
         gather_weights_for_generation: bool = True,
@@ -203,6 +205,7 @@ class GRPOModule(CausalLMModule):
         sampling = SamplingSettings(
             max_completion_length=max_completion_length, temperature=temperature, top_p=top_p, top_k=top_k,
             min_p=min_p, repetition_penalty=repetition_penalty, do_sample=do_sample,
+            generation_kwargs=generation_kwargs,
         )  # fmt: skip
         _check_backend(generation_backend, generation_options, sampling)  # before any model or tokenizer work
         super().__init__(learning_rate=learning_rate, **kwargs)

@@ -175,6 +175,21 @@ def model():
 # --------------------------------------------------------------------------------------------- sampling, one meaning
 
 
+def test_generation_kwargs_reach_every_backend_but_not_what_the_settings_own(model):
+    """TRL's generation_kwargs: passed on as they are (here suppress_tokens, which changes the greedy completion)."""
+    from dataclasses import replace
+
+    greedy = SamplingSettings(max_completion_length=4, do_sample=False)
+    plain = TransformersGenerate(greedy, [2], 0).generate(model, [[5, 6, 7]], 1, CPU, 0)[0]
+    suppressed = replace(greedy, generation_kwargs={"suppress_tokens": [plain[0]]})
+    assert plain[0] not in TransformersGenerate(suppressed, [2], 0).generate(model, [[5, 6, 7]], 1, CPU, 0)[0]
+    assert TransformersContinuousBatching(suppressed, [2], 0).generation_config(1).suppress_tokens == [plain[0]]
+    penalized = replace(greedy, generation_kwargs={"presence_penalty": 0.5})
+    assert vllm_sampling_params(penalized, [2], 1) == {**vllm_sampling_params(greedy, [2], 1), "presence_penalty": 0.5}
+    with pytest.raises(ValueError, match=r"generation_kwargs may not set \['max_tokens', 'temperature'\]"):
+        SamplingSettings(generation_kwargs={"temperature": 0.5, "max_tokens": 3})
+
+
 def test_sampling_settings_mean_the_same_on_every_backend():
     sampled = SamplingSettings(max_completion_length=7, temperature=0.7, top_p=0.9, top_k=20, min_p=None,
                                repetition_penalty=1.1)
