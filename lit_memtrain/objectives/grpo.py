@@ -47,6 +47,7 @@ from lit_memtrain.models.builder import build_training_model, load_sharded
 from lit_memtrain.models.dropout import disable_dropout as disable_dropout_in_model
 from lit_memtrain.models.dropout import dropout_probabilities
 from lit_memtrain.models.generation import BACKENDS, GenerationBackend, SamplingSettings
+from lit_memtrain.models.lm_head_fp32 import cast_lm_head_to_fp32
 from lit_memtrain.models.lora import head_weight
 from lit_memtrain.objectives.advantages import (
     SCALE_REWARDS,
@@ -142,6 +143,9 @@ class GRPOModule(CausalLMModule):
         max_grad_norm: clip the gradients' norm to this before each optimizer step (None: no clipping); Lightning's
             ``gradient_clip_val`` does not apply to manual optimisation.
         padding_free: score each slice as one padding-free row (documents kept apart); False: right-padded rows.
+        cast_lm_head_to_fp32: TRL's (default False): the LM head of the policy and of a frozen reference in fp32,
+            its logits (generation, log-probabilities) computed in fp32 (:mod:`~lit_memtrain.models.lm_head_fp32`);
+            not under FSDP2, with a LoRA adapter on the head, or a head tied to the embeddings.
         disable_dropout: TRL's (default False): set every dropout probability of the policy (LoRA adapter included)
             to 0 (the frozen reference scores in eval mode). Completions are always sampled without dropout (eval
             mode; vLLM has none), where TRL's ``transformers`` path samples in training mode: with dropout left on,
@@ -198,6 +202,7 @@ class GRPOModule(CausalLMModule):
         mask_truncated_completions: bool = False,
         max_grad_norm: float | None = 1.0,
         padding_free: bool = True,
+        cast_lm_head_to_fp32: bool = False,
         disable_dropout: bool = False,
         learning_rate: float = 1e-6,
         **kwargs: Any,
@@ -317,6 +322,12 @@ class GRPOModule(CausalLMModule):
             object.__setattr__(self, "_reference_model", reference.requires_grad_(False).eval())
         if self.hparams.disable_dropout:  # the frozen reference scores in eval mode: no dropout to disable
             disable_dropout_in_model(self.model)
+        if self.hparams.cast_lm_head_to_fp32:
+            if sharding:
+                raise ValueError("cast_lm_head_to_fp32=True is not supported under FSDP2 here: leave it False.")
+            cast_lm_head_to_fp32(self.model)
+            if self._reference_model is not None:
+                cast_lm_head_to_fp32(self._reference_model)
 
     def setup(self, stage: str) -> None:
         """Refuse context parallelism (a completion's log-probabilities need its whole sequence). Unlike
@@ -458,13 +469,16 @@ class GRPOModule(CausalLMModule):
             )
         outputs = model.get_decoder()(**self._model_inputs(batch))
         hidden = outputs.last_hidden_state.flatten(0, 1)
+        fp32_head = self.hparams.cast_lm_head_to_fp32
+        hidden = hidden.float() if fp32_head else hidden
         weight, bias = head_weight(model.get_output_embeddings())
         bias = bias.to(hidden.dtype) if bias is not None else None  # a LoRA head keeps fp32 adapters on a bf16 base
         arguments = (hidden, weight.to(hidden.dtype), targets, self.hparams.loss_chunk_size, transform.softcap, bias,
                      transform.scale / temperature)  # fmt: skip
-        if with_entropy:
-            return chunked_token_log_probs_and_entropies(*arguments)
-        return chunked_token_log_probs(*arguments), None
+        with torch.autocast(hidden.device.type, enabled=False) if fp32_head else nullcontext():
+            if with_entropy:
+                return chunked_token_log_probs_and_entropies(*arguments)
+            return chunked_token_log_probs(*arguments), None
 
     @torch.no_grad()
     def _no_grad_logps(self, rollout: Rollout, model: nn.Module | None = None) -> Tensor:

@@ -16,6 +16,7 @@ from lit_memtrain.datamodules.prompts import PromptDataModule
 from lit_memtrain.models.generation import GenerationBackend, SamplingSettings
 from lit_memtrain.models.lora import LoraSettings
 from lit_memtrain.objectives.grpo import GRPOModule
+from lit_memtrain.objectives.rollout import Rollout
 
 OVERRIDES = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
              "num_key_value_heads": 1, "head_dim": 16}
@@ -150,3 +151,38 @@ def test_generation_batch_size_is_trls_count_of_completions_per_generation():
         fit(8)
     with pytest.raises(ValueError, match="cannot both be set"):
         _module(accumulation=1, generation_batch_size=8, steps_per_generation=2)
+
+
+@pytest.mark.parametrize("loss_type", ["chunked", "nll"])
+def test_cast_lm_head_to_fp32_scores_with_fp32_logits_in_a_bf16_model(loss_type):
+    """TRL's cast_lm_head_to_fp32: a fit generates and trains with the head in fp32; the log-probabilities are those
+    of the bf16 decoder's hidden states times the fp32 head, in fp32."""
+    backend = PromptCompletions(SamplingSettings(max_completion_length=3), [2], 0)
+    module = GRPOModule(preset="tiny-qwen3", config_overrides={**OVERRIDES, "tie_word_embeddings": False},
+                        tokenizer="lit-memtrain/embedded", reward_funcs=[_token_sum], num_generations=2,
+                        max_completion_length=3, dtype="bfloat16", cast_lm_head_to_fp32=True, loss_type=loss_type,
+                        generation_backend=backend if loss_type == "chunked" else "transformers")  # fmt: skip
+    trainer = Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False)
+    data = datasets.Dataset.from_list([{"prompt": prompt} for prompt in PROMPTS[:2]])
+    trainer.fit(module, datamodule=PromptDataModule(dataset=data, batch_size=2, seed=0))
+    head = module.model.get_output_embeddings()
+    assert head.weight.dtype == torch.float32 and module.model.get_input_embeddings().weight.dtype == torch.bfloat16
+
+    prompt, completion = [5, 6, 7, 8], [40, 41, 2]
+    rollout = Rollout.of([prompt], [completion], torch.ones(1, dtype=torch.bool))
+    with torch.no_grad():
+        ours = module.completion_logps(rollout)[0]
+        hidden = module.model.get_decoder()(input_ids=torch.tensor([prompt + completion])).last_hidden_state
+        logits = hidden[0, len(prompt) - 1 : -1].float() @ head.weight.T
+    expected = logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+    assert_each_equal_up_to_rounding({"logps": ours}, {"logps": expected}, terms=TINY_MODEL_TERMS)
+
+
+def test_cast_lm_head_to_fp32_refuses_a_tied_or_adapted_head():
+    for overrides, lora, match in [({}, None, "untied from the input embeddings"),
+                                   ({"tie_word_embeddings": False}, LoraSettings(lm_head=True), "LoRA adapter")]:
+        module = GRPOModule(preset="tiny-qwen3", config_overrides={**OVERRIDES, **overrides}, lora=lora,
+                            tokenizer="lit-memtrain/embedded", reward_funcs=[_token_sum], cast_lm_head_to_fp32=True)
+        with pytest.raises(ValueError, match=match):
+            module.configure_model()
