@@ -60,6 +60,7 @@ from lit_memtrain.objectives.causal_lm import CausalLMModule
 from lit_memtrain.objectives.optim import optimizer_and_schedule, scale_gradients
 from lit_memtrain.objectives.policy_loss import LOSS_TYPES, PolicyLoss, PolicyLossType, clipped_policy_loss
 from lit_memtrain.objectives.reward_functions import RewardFunctions, TrainerState
+from lit_memtrain.objectives.reference_sync import ReferenceSync
 from lit_memtrain.objectives.rollout import Rollout, scoring_batch
 from lit_memtrain.objectives.sampling_correction import SamplingCorrection, SamplingCorrectionMode
 from lit_memtrain.parallel.fsdp import is_sharded, run_inside_forward
@@ -120,6 +121,10 @@ class GRPOModule(CausalLMModule):
             (:mod:`~lit_memtrain.objectives.policy_loss`). (``loss_type`` is the house's ``chunked`` / ``nll``.)
         scale_rewards: ``group`` (True), ``batch`` or ``none`` (False): what advantages are divided by.
         beta: weight of the KL term to the reference (0: no reference is built or run).
+        sync_ref_model, ref_model_mixup_alpha, ref_model_sync_steps: TRL's (False, 0.6, 512): every
+            ``ref_model_sync_steps`` optimizer steps, ``reference = alpha * policy + (1 - alpha) * reference``
+            (:mod:`~lit_memtrain.objectives.reference_sync`); the frozen-copy reference only (``beta != 0``, no
+            LoRA, not under FSDP2); the mixed reference is kept in checkpoints.
         epsilon, epsilon_high: the clip range ``[1 - epsilon, 1 + epsilon_high]`` (``epsilon_high`` defaults to
             ``epsilon``).
         use_bias_correction_kl: multiply the KL term by the importance ratio (TRL's default).
@@ -188,6 +193,9 @@ class GRPOModule(CausalLMModule):
         policy_loss: PolicyLossType = "dapo",
         scale_rewards: ScaleRewards | bool = "group",
         beta: float = 0.0,
+        sync_ref_model: bool = False,
+        ref_model_mixup_alpha: float = 0.6,
+        ref_model_sync_steps: int = 512,
         epsilon: float = 0.2,
         epsilon_high: float | None = None,
         use_bias_correction_kl: bool = True,
@@ -242,6 +250,13 @@ class GRPOModule(CausalLMModule):
             raise ValueError(f"epsilon must be in [0, 1) and epsilon_high >= 0, got {epsilon} and {epsilon_high}.")
         if not beta >= 0:
             raise ValueError(f"beta must be >= 0 (0: no reference), got {beta}.")
+        self.reference_sync = ReferenceSync(ref_model_mixup_alpha, ref_model_sync_steps) if sync_ref_model else None
+        if sync_ref_model and (beta == 0 or self.lora is not None):
+            raise ValueError(
+                "sync_ref_model=True mixes the policy into the frozen copy of the initial model, which exists only "
+                f"with beta != 0 (got {beta}) and no LoRA adapter (the reference is then the base model, as TRL "
+                "refuses it with PEFT). Set sync_ref_model=False."
+            )
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0 or None (no clipping), got {max_grad_norm}.")
         self.sampling = sampling
@@ -317,6 +332,8 @@ class GRPOModule(CausalLMModule):
             object.__setattr__(self, "_reference_model", copy.deepcopy(self.model).requires_grad_(False).eval())
         super().configure_model()
         reference = self._reference_model
+        if sharding and self.reference_sync is not None:
+            raise ValueError("sync_ref_model=True is not supported under FSDP2 here (its checkpoint): leave it False.")
         if sharding and reference is not None and not is_sharded(reference):
             reference = load_sharded(reference, strategy.parallelize, strategy.parameter_device, strategy.root_device)
             object.__setattr__(self, "_reference_model", reference.requires_grad_(False).eval())
@@ -725,6 +742,8 @@ class GRPOModule(CausalLMModule):
             self.clip_gradients(optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if self.reference_sync is not None:
+            self.reference_sync.after_step(self.model, self._reference_model, self.trainer.global_step)
         scheduler = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()
@@ -787,10 +806,16 @@ class GRPOModule(CausalLMModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
         checkpoint["lit_memtrain"]["micro_steps"] = self._micro_steps
+        if self.reference_sync is not None:  # no longer the initial weights configure_model copies
+            checkpoint["lit_memtrain"]["reference"] = self._reference_model.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
         self._micro_steps = int(checkpoint.get("lit_memtrain", {}).get("micro_steps", 0))
+        if self.reference_sync is not None:
+            if "reference" not in checkpoint.get("lit_memtrain", {}):
+                raise ValueError("The checkpoint has no synced reference (saved without sync_ref_model=True).")
+            self._reference_model.load_state_dict(checkpoint["lit_memtrain"]["reference"])
 
 
 def _check_backend(

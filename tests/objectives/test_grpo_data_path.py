@@ -4,6 +4,7 @@ amounts to), and dropout (TRL's ``disable_dropout``; sampling without it said on
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import datasets
@@ -186,3 +187,32 @@ def test_cast_lm_head_to_fp32_refuses_a_tied_or_adapted_head():
                             tokenizer="lit-memtrain/embedded", reward_funcs=[_token_sum], cast_lm_head_to_fp32=True)
         with pytest.raises(ValueError, match=match):
             module.configure_model()
+
+
+def test_sync_ref_model_mixes_the_policy_into_the_reference_as_trls_callback_and_checkpoints_it(tmp_path):
+    from trl.trainer.callbacks import SyncRefModelCallback
+
+    module = _module(accumulation=1, beta=0.1, sync_ref_model=True, ref_model_mixup_alpha=0.3, ref_model_sync_steps=2)
+    expected = copy.deepcopy(module._reference_model)
+
+    class TRLSync(Callback):  # TRL's on_step_end on the test's copy of the reference, one batch = one step here
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if trainer.global_step % 2 == 0:
+                SyncRefModelCallback._sync_target_model(pl_module.model, expected, 0.3)
+
+    trainer = Trainer(max_steps=4, accelerator="cpu", logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[TRLSync()])
+    data = datasets.Dataset.from_list([{"prompt": prompt} for prompt in PROMPTS + ["What is 7 + 8?"]])
+    trainer.fit(module, datamodule=PromptDataModule(dataset=data, batch_size=1, seed=0))
+    ours = dict(module._reference_model.named_parameters())
+    assert_each_equal_up_to_rounding(ours, dict(expected.named_parameters()), terms=TINY_MODEL_TERMS)
+    assert not torch.equal(ours["model.embed_tokens.weight"], dict(module.model.named_parameters())[
+        "model.embed_tokens.weight"])  # mixed, not copied
+
+    trainer.save_checkpoint(tmp_path / "synced.ckpt")
+    resumed = _module(accumulation=1, beta=0.1, sync_ref_model=True, ref_model_mixup_alpha=0.3, ref_model_sync_steps=2)
+    resumed.on_load_checkpoint(torch.load(tmp_path / "synced.ckpt", weights_only=False))
+    assert_each_equal_up_to_rounding(dict(resumed._reference_model.named_parameters()), ours, terms=1)
+    for options, match in [({"beta": 0.0}, "beta != 0"), ({"beta": 0.1, "lora": LoraSettings(r=2)}, "LoRA")]:
+        with pytest.raises(ValueError, match=match):
+            _module(accumulation=1, sync_ref_model=True, **options)
