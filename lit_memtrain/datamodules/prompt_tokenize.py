@@ -19,7 +19,7 @@ __all__ = ["RESERVED_COLUMNS", "PromptTruncation", "detect_prompt_format", "toke
 
 PromptTruncation = Literal["keep_end", "keep_start"]
 
-RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric")
+RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
 """Names reward functions receive as keyword arguments already: a dataset column may not take one of them."""
 _NOT_PASSED = ("prompt", "completion")  # given to reward functions as prompts= and completions= (generated)
 

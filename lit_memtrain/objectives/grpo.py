@@ -289,6 +289,7 @@ class GRPOModule(CausalLMModule):
              **{f"rewards/{i}": MeanMetric(nan_strategy="ignore") for i in range(len(self.reward_functions.names))}}
         )  # fmt: skip
         self._mean_rewards: list[float] = []
+        self.completion_extras: dict[str, list[Any]] = {}  # what reward functions gave log_extra, last batch
         # The frozen reference copy (beta != 0 without LoRA) is kept out of the module tree on purpose: not in
         # state_dict (a checkpoint holds the trained model once; the reference is rebuilt from the initial weights),
         # not moved or found by callbacks (no checkpointing, no offloading: it runs without gradients).
@@ -571,11 +572,14 @@ class GRPOModule(CausalLMModule):
         conversational = bool(prompts) and isinstance(prompts[0], list)
         completions = [[{"role": "assistant", "content": text}] for text in texts] if conversational else texts
         logged: dict[str, list[float]] = {}
+        extras: dict[str, list[Any]] = {}
         rewards = self.reward_functions(
             repeat(prompts), completions, completion_ids, {name: repeat(v) for name, v in columns.items()}, where,
-            trainer_state=TrainerState(self.trainer.global_step, self.trainer.current_epoch, self.trainer.max_steps),
+            trainer_state=TrainerState.of(self.trainer),
             log_metric=lambda name, value: logged.setdefault(name, []).append(float(value)),
+            log_extra=lambda column, values: extras.setdefault(column, []).extend(values),
         )  # fmt: skip
+        self.completion_extras = extras
         ends = {*backend.eos_token_ids, self.tokenizer.pad_token_id}
         truncated = torch.tensor([not ids or ids[-1] not in ends for ids in completion_ids])
         trained = ~truncated if self.hparams.mask_truncated_completions else torch.ones_like(truncated)

@@ -216,3 +216,28 @@ def test_sync_ref_model_mixes_the_policy_into_the_reference_as_trls_callback_and
     for options, match in [({"beta": 0.0}, "beta != 0"), ({"beta": 0.1, "lora": LoraSettings(r=2)}, "LoRA")]:
         with pytest.raises(ValueError, match=match):
             _module(accumulation=1, sync_ref_model=True, **options)
+
+
+def test_reward_functions_get_trls_trainer_state_fields_and_log_extra():
+    from dataclasses import fields
+
+    from transformers import TrainerState as HFTrainerState
+
+    from lit_memtrain.objectives.reward_functions import TrainerState
+
+    states = []
+
+    def reward(completion_ids, trainer_state, log_extra, **kwargs):
+        states.append(trainer_state)
+        log_extra("first_token", [ids[0] for ids in completion_ids])
+        return [float(sum(ids) % 5) for ids in completion_ids]
+
+    module = _module(accumulation=1)
+    module.reward_functions.functions[0] = reward
+    trainer, _ = _fit(module, PROMPTS + ["What is 7 + 8?"], batch_size=2, max_epochs=2)
+    hf = {f.name: f.type for f in fields(HFTrainerState)}
+    assert {f.name for f in fields(TrainerState)} <= set(hf)  # the names TRL's reward functions read
+    assert [(s.global_step, s.epoch, s.max_steps, s.num_train_epochs) for s in states] == [
+        (0, 0.0, -1, 2), (1, 0.5, -1, 2), (2, 1.0, -1, 2), (3, 1.5, -1, 2)]
+    assert states[0].is_world_process_zero and states[0].is_local_process_zero
+    assert len(module.completion_extras["first_token"]) == 4  # the last batch's: 2 prompts x 2 completions
