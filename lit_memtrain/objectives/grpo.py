@@ -49,6 +49,7 @@ from lit_memtrain.models.dropout import dropout_probabilities
 from lit_memtrain.models.generation import BACKENDS, GenerationBackend, SamplingSettings
 from lit_memtrain.models.lm_head_fp32 import cast_lm_head_to_fp32
 from lit_memtrain.models.lora import head_weight
+from lit_memtrain.models.moe import load_balancing_loss
 from lit_memtrain.objectives.advantages import (
     SCALE_REWARDS,
     ScaleRewards,
@@ -87,6 +88,7 @@ class _StepStats:
     high_per_completion: list[Tensor] = field(default_factory=list)
     entropy: list[Tensor] = field(default_factory=list)  # the policy's entropy summed over the trained tokens
     entropy_tokens: list[Tensor] = field(default_factory=list)
+    router_aux: list[Tensor] = field(default_factory=list)  # a mixture-of-experts model's, per micro-batch
 
 
 def _check_positive_int(name: str, value: Any, minimum: int = 1) -> None:
@@ -164,7 +166,8 @@ class GRPOModule(CausalLMModule):
     ``completions/{mean,min,max}_terminated_length``, ``kl`` (``beta != 0``), ``clip_ratio/{low_mean,low_min,
     high_mean,high_max,region_mean}``, ``entropy`` (the policy's, in nats, at the sampling temperature, over the
     trained completion tokens; the chunked loss measures it in its chunks of logits, at no extra memory), ``loss``,
-    ``tokens`` (trained tokens) and the throughput; ``val/reward``, ``val/rewards/<function>/mean`` and
+    ``tokens`` (trained tokens), ``aux_loss`` (a mixture-of-experts model's router load-balancing loss) and the
+    throughput; ``val/reward``, ``val/rewards/<function>/mean`` and
     ``val/completions/mean_length`` on validation prompts, over the whole validation set (every rank's
     completions, whatever each rank's number of prompts).
 
@@ -359,11 +362,6 @@ class GRPOModule(CausalLMModule):
 
     def on_fit_start(self) -> None:
         super().on_fit_start()
-        if self.router_aux_weight():
-            raise ValueError(
-                f"{type(self.model).__name__} has routers: {type(self).__name__} does not add the router "
-                "load-balancing loss. Set router_aux_loss_coef=0 to train it without that loss."
-            )
         batch_size = getattr(self.trainer.datamodule, "batch_size", None)
         if isinstance(batch_size, int):
             self._check_slices(batch_size)
@@ -440,16 +438,25 @@ class GRPOModule(CausalLMModule):
         ``model`` (the policy by default), 0 off the completion mask."""
         return self._score_completions(rollout, self.model if model is None else model, with_entropy=False)[0]
 
-    def completion_logps_and_entropies(self, rollout: Rollout) -> tuple[Tensor, Tensor]:
-        """:meth:`completion_logps` under the policy, and the entropy (nats, no gradient) of the policy's
-        distribution at each of those tokens at the sampling temperature (TRL's ``entropy``), 0 off the mask."""
-        logps, entropy = self._score_completions(rollout, self.model, with_entropy=True)
+    def completion_logps_and_entropies(self, rollout: Rollout) -> tuple[Tensor, Tensor, Tensor | None]:
+        """:meth:`completion_logps` under the policy, the entropy (nats, no gradient) of the policy's distribution
+        at each of those tokens at the sampling temperature (TRL's ``entropy``), 0 off the mask, and a
+        mixture-of-experts model's router load-balancing loss of that forward (None without one, or at weight 0)."""
+        logps, entropy, router_aux = self._score_completions(rollout, self.model, with_entropy=True)
         assert entropy is not None
-        return logps, entropy
+        return logps, entropy, router_aux
+
+    def with_router_aux(self, out: PolicyLoss, router_aux: Tensor | None) -> PolicyLoss:
+        """``out`` with the router load-balancing loss added as TRL adds it: ``router_aux_loss_coef * aux``, divided
+        by ``gradient_accumulation_steps`` like the micro-batch's policy loss."""
+        if router_aux is None:
+            return out
+        weight = self.router_aux_weight() / self.hparams.gradient_accumulation_steps
+        return replace(out, loss=out.loss + weight * router_aux.to(out.loss.device), router_aux=router_aux.detach())
 
     def _score_completions(
         self, rollout: Rollout, model: nn.Module, with_entropy: bool
-    ) -> tuple[Tensor, Tensor | None]:
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
         batch, positions = scoring_batch(rollout, self.tokenizer.pad_token_id, self.hparams.padding_free)
         batch = move_data_to_device(batch, self.device)
         self.run_setup_probes(batch)  # the policy's, once: the reference shares its architecture and attention
@@ -457,24 +464,35 @@ class GRPOModule(CausalLMModule):
             self.throughput.count(batch, self.trainer.world_size, self.device, self.trainer.strategy.reduce)
         targets = shift_targets(batch["labels"]).flatten()
         temperature = self.sampling.temperature
+        routed = with_entropy and bool(self.router_aux_weight())  # the policy's training forward of a MoE model
         if self.hparams.loss_type == "nll":
-            logits = model(**self._model_inputs(batch)).logits.flatten(0, 1) / temperature
+            outputs = model(**self._model_inputs(batch), **({"output_router_logits": True} if routed else {}))
+            logits = outputs.logits.flatten(0, 1) / temperature
             row = token_log_probs(logits, targets)
             chunk_size = self.hparams.loss_chunk_size
             entropy = token_entropies(logits, targets, chunk_size=chunk_size) if with_entropy else None
+            router_aux = outputs.aux_loss if routed else None
         elif is_sharded(model):
-            scores = run_inside_forward(model, self._chunked_logps, model, batch, targets, temperature, with_entropy)
-            row, entropy = scores
+            scores = run_inside_forward(
+                model, self._chunked_logps, model, batch, targets, temperature, with_entropy, routed
+            )
+            row, entropy, router_aux = scores
         else:
-            row, entropy = self._chunked_logps(model, batch, targets, temperature, with_entropy)
+            row, entropy, router_aux = self._chunked_logps(model, batch, targets, temperature, with_entropy, routed)
         mask, at = rollout.completion_mask().to(row.device), positions.to(row.device)
-        return row[at] * mask, (entropy[at] * mask if with_entropy else None)
+        return row[at] * mask, (entropy[at] * mask if with_entropy else None), router_aux
 
     def _chunked_logps(
-        self, model: nn.Module, batch: dict[str, Any], targets: Tensor, temperature: float, with_entropy: bool
-    ) -> tuple[Tensor, Tensor | None]:
-        """Token log-probabilities of a batch's targets from ``model``'s final hidden states, in chunks, and (with
-        ``with_entropy``) the entropy at each.
+        self,
+        model: nn.Module,
+        batch: dict[str, Any],
+        targets: Tensor,
+        temperature: float,
+        with_entropy: bool,
+        routed: bool = False,
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """Token log-probabilities of a batch's targets from ``model``'s final hidden states, in chunks, (with
+        ``with_entropy``) the entropy at each, and (``routed``) the router load-balancing loss of the forward.
 
         TRL divides the logits by the temperature after the model's own transform (scale, soft-cap); without a
         soft-cap that is a scale of ``scale / temperature``. With one, only ``temperature == 1`` can be chunked."""
@@ -485,7 +503,8 @@ class GRPOModule(CausalLMModule):
                 f"{temperature}: the chunked log-probabilities cannot divide capped logits by the temperature. Use "
                 "loss_type='nll' (the model's logits) or temperature=1."
             )
-        outputs = model.get_decoder()(**self._model_inputs(batch))
+        outputs = model.get_decoder()(**self._model_inputs(batch), **({"output_router_logits": True} if routed else {}))
+        router_aux = load_balancing_loss(model, outputs.router_logits, batch.get("attention_mask")) if routed else None
         hidden = outputs.last_hidden_state.flatten(0, 1)
         fp32_head = self.hparams.cast_lm_head_to_fp32
         hidden = hidden.float() if fp32_head else hidden
@@ -495,8 +514,8 @@ class GRPOModule(CausalLMModule):
                      transform.scale / temperature)  # fmt: skip
         with torch.autocast(hidden.device.type, enabled=False) if fp32_head else nullcontext():
             if with_entropy:
-                return chunked_token_log_probs_and_entropies(*arguments)
-            return chunked_token_log_probs(*arguments), None
+                return *chunked_token_log_probs_and_entropies(*arguments), router_aux
+            return chunked_token_log_probs(*arguments), None, router_aux
 
     @torch.no_grad()
     def _no_grad_logps(self, rollout: Rollout, model: nn.Module | None = None) -> Tensor:
@@ -653,7 +672,7 @@ class GRPOModule(CausalLMModule):
     def slice_loss(self, part: Rollout, normalizer: Tensor | None = None) -> PolicyLoss:
         """One micro-batch's loss: its completions scored by the policy (with gradients) in the clipped loss;
         ``normalizer``: :meth:`loss_normalizer`'s."""
-        logps, entropy = self.completion_logps_and_entropies(part)
+        logps, entropy, router_aux = self.completion_logps_and_entropies(part)
         mask = part.completion_mask().to(logps.device)
         out = clipped_policy_loss(
             logps, part.old_logps, part.advantages.to(logps.device), mask, loss_type=self.hparams.policy_loss,
@@ -663,7 +682,7 @@ class GRPOModule(CausalLMModule):
             max_completion_length=self.sampling.max_completion_length, dapo_normalizer=normalizer,
             importance_weights=part.sampling_ratio,
         )  # fmt: skip
-        return replace(out, entropy=entropy)
+        return self.with_router_aux(replace(out, entropy=entropy), router_aux)
 
     def _record(self, stats: _StepStats, out: PolicyLoss, part: Rollout) -> None:
         """Add a micro-batch's loss and clip flags to ``stats``: per token, or per completion where the ratio is
@@ -682,6 +701,8 @@ class GRPOModule(CausalLMModule):
         stats.high_per_completion.append((high * mask).sum(-1) / per_completion)
         if out.kl is not None:
             stats.kl.append((out.kl * mask).sum())
+        if out.router_aux is not None:
+            stats.router_aux.append(out.router_aux)
         if out.entropy is not None:  # over the trained tokens, whatever the flags count over
             stats.entropy.append(out.entropy.sum())
             stats.entropy_tokens.append(part.completion_mask().sum().to(out.entropy.device))
@@ -701,6 +722,8 @@ class GRPOModule(CausalLMModule):
             "clip_ratio/low_min": _nanmin(self._gather_rows(torch.cat(stats.low_per_completion))),
             "clip_ratio/high_max": _nanmax(self._gather_rows(torch.cat(stats.high_per_completion))),
         }
+        if stats.router_aux:  # TRL's: the mean of the micro-batches' load-balancing losses over every rank
+            metrics["aux_loss"] = self._sum_over_ranks(torch.stack(stats.router_aux).mean()) / world
         if stats.kl:
             metrics["kl"] = self._sum_over_ranks(torch.stack(stats.kl).sum()) / counted
         if stats.entropy:

@@ -55,6 +55,8 @@ class PolicyLoss:
         kl: the per-token KL term (before ``beta``), ``[B, T]``; ``None`` without a reference.
         entropy: the policy's entropy at each token, ``[B, T]``, 0 off the mask, where the caller measured it with
             the log-probabilities (no gradient; logged, not trained on).
+        router_aux: a mixture-of-experts model's router load-balancing loss of the micro-batch (detached), when
+            ``loss`` includes it.
     """
 
     loss: Tensor
@@ -63,6 +65,7 @@ class PolicyLoss:
     high_clipped: Tensor
     kl: Tensor | None = None
     entropy: Tensor | None = None
+    router_aux: Tensor | None = None
 
 
 def k3_kl(logps: Tensor, ref_logps: Tensor) -> Tensor:

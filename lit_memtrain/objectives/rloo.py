@@ -104,14 +104,14 @@ class RLOOModule(GRPOModule):
 
     def slice_loss(self, part: Rollout, normalizer: Tensor | None = None) -> PolicyLoss:
         """One micro-batch's loss: a clipped ratio per completion, averaged over the micro-batch."""
-        logps, entropy = self.completion_logps_and_entropies(part)
+        logps, entropy, router_aux = self.completion_logps_and_entropies(part)
         mask = part.completion_mask().to(logps.device)
         old = None if part.old_logps is None else (part.old_logps * mask).sum(-1)
         out = rloo_policy_loss(
             logps, old, part.advantages.to(logps.device), mask, epsilon_low=self.epsilon_low,
             epsilon_high=self.epsilon_high, accumulation_steps=self.hparams.gradient_accumulation_steps,
         )  # fmt: skip
-        return replace(out, entropy=entropy)
+        return self.with_router_aux(replace(out, entropy=entropy), router_aux)
 
     def loss_normalizer(self, rollout: Rollout) -> None:
         """RLOO averages over completions: no token normalizer."""

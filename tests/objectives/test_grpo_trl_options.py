@@ -1,7 +1,12 @@
-"""TRL's vLLM importance-sampling correction against TRL 1.16 on the CPU in fp32: a generation batch whose engine
-log-probabilities differ from the trainer's gives TRL's ratios (every mode, a lower bound too) and ``sampling/``
-metrics (``_generate_and_score_completions``), and then TRL's loss and gradients (``_compute_loss``); through a fit, the
-correction is on by default with a backend that reports log-probabilities, RLOO refuses it, bad settings are refused."""
+"""Options of TRL 1.16's GRPOConfig against TRL on the CPU in fp32.
+
+- The vLLM importance-sampling correction: a generation batch whose engine log-probabilities differ from the
+  trainer's gives TRL's ratios (every mode, a lower bound too) and ``sampling/`` metrics
+  (``_generate_and_score_completions``), and then TRL's loss and gradients (``_compute_loss``); through a fit, the
+  correction is on by default with a backend that reports log-probabilities, RLOO refuses it, bad settings are
+  refused.
+- A mixture-of-experts model: the router load-balancing loss added as TRL adds it (loss and gradients), GRPO and RLOO.
+"""
 
 from __future__ import annotations
 
@@ -31,12 +36,12 @@ METRICS = ["sampling/sampling_logp_difference/mean", "sampling/sampling_logp_dif
 class EngineCompletions(GenerationBackend):
     """The test's completions, with the log-probabilities an engine reports for them: ``logprobs``."""
 
-    def __init__(self, *args, logprobs: list[list[float]]) -> None:
+    def __init__(self, *args, logprobs: list[list[float]] | None) -> None:
         super().__init__(*args)
         self.logprobs = logprobs
 
     def generate(self, model, prompt_ids, num_generations, device, weights_version):
-        self.sampling_logprobs = [list(row) for row in self.logprobs]
+        self.sampling_logprobs = None if self.logprobs is None else [list(row) for row in self.logprobs]
         return [list(c) for c in COMPLETIONS][: len(prompt_ids) * num_generations]
 
 
@@ -153,3 +158,56 @@ def test_the_correction_is_on_by_default_with_an_engine_that_reports_log_probabi
     with pytest.raises(ValueError, match=r"clip_min \(2.0\) is above vllm_importance_sampling_clip_max \(1.5\)"):
         GRPOModule(preset="tiny-qwen3", tokenizer="lit-memtrain/embedded", reward_funcs=[_tokens_reward],
                    vllm_importance_sampling_clip_min=2.0, vllm_importance_sampling_clip_max=1.5)  # fmt: skip
+
+
+MOE = {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+       "router_aux_loss_coef": 0.5, "output_router_logits": False}
+
+
+@pytest.fixture(scope="module")
+def saved_moe_model(tmp_path_factory, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    directory = tmp_path_factory.mktemp("moe-model")
+    torch.manual_seed(0)
+    config = build_config("tiny-qwen3", {**OVERRIDES, **MOE, "vocab_size": len(tokenizer)})
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.mark.parametrize(("cls", "loss_type"), [(GRPOModule, "chunked"), (GRPOModule, "nll"), (RLOOModule, "chunked")])
+def test_a_mixture_of_experts_trains_with_the_router_loss_as_trl_adds_it(saved_moe_model, tokenizer, tmp_path, cls,
+                                                                          loss_type):  # fmt: skip
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+
+    grpo = cls is GRPOModule
+    Config, TrainerClass = (GRPOConfig, GRPOTrainer) if grpo else (RLOOConfig, RLOOTrainer)
+    options = {} if grpo else {"beta": 0.0}
+    config = Config(output_dir=str(tmp_path), use_cpu=True, bf16=False, disable_dropout=True, report_to=[],
+                    per_device_train_batch_size=len(COMPLETIONS), num_generations=G, max_completion_length=LENGTH,
+                    temperature=0.7, **options)  # fmt: skip
+    trl_model = AutoModelForCausalLM.from_pretrained(saved_moe_model, attn_implementation="sdpa")
+    trl = TrainerClass(model=trl_model, reward_funcs=[_tokens_reward], args=config, train_dataset=_prompts(),
+                       processing_class=tokenizer)
+    completions = [list(c) for c in COMPLETIONS]
+    trl._generate_single_turn = (lambda *a, **k: (completions, None)) if grpo else (lambda *a, **k: completions)
+    trl.current_gradient_accumulation_steps = 1
+    trl_model.train()
+    expected = trl._generate_and_score_completions([{"prompt": p} for p in _prompts()["prompt"] for _ in range(G)])
+    trl_loss = trl._compute_loss(trl_model, expected)
+    trl_loss.backward()
+
+    backend = EngineCompletions(SamplingSettings(LENGTH, temperature=0.7), [EOS], 0, logprobs=None)
+    module = _module(saved_moe_model, backend, cls=cls, loss_type=loss_type, **options)
+    rollout, rewards, _ = module.generate_rollout(_batch(), "a test batch")
+    rollout, _ = module.prepare_rollout(rollout, rewards)
+    out = module.slice_loss(rollout, module.loss_normalizer(rollout))
+    out.loss.backward()
+    assert out.router_aux is not None and out.router_aux > 0
+    assert_equal_up_to_rounding(float(out.router_aux), trl._metrics["train"]["aux_loss"][-1], name="aux_loss",
+                                terms=TINY_MODEL_TERMS, scale=float(out.router_aux))  # fmt: skip
+    assert_equal_up_to_rounding(out.loss, trl_loss, name="loss", terms=TINY_MODEL_TERMS, scale=3.0)
+    ours = {n: p.grad for n, p in module.model.named_parameters() if p.grad is not None}
+    assert_each_equal_up_to_rounding(ours, {n: p.grad for n, p in trl_model.named_parameters()},
+                                     terms=TINY_MODEL_TERMS)  # fmt: skip
