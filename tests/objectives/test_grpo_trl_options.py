@@ -53,15 +53,44 @@ def _tokens_reward(completion_ids, **kwargs):
     return [float(ids[0] % 7) + len(ids) for ids in completion_ids]
 
 
+MOE = {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+       "router_aux_loss_coef": 0.5, "output_router_logits": False}
+
+
 @pytest.fixture(scope="module")
-def saved_model(tmp_path_factory, tokenizer):
+def saved_models(tmp_path_factory, tokenizer) -> dict[str, str]:
+    """Directories of a dense and a mixture-of-experts tiny model, the same seed."""
     from transformers import AutoModelForCausalLM
 
-    directory = tmp_path_factory.mktemp("sampling-correction-model")
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(build_config("tiny-qwen3", {**OVERRIDES, "vocab_size": len(tokenizer)})) \
-        .save_pretrained(directory)
-    return str(directory)
+    directories = {}
+    for name, overrides in (("dense", {}), ("moe", MOE)):
+        directories[name] = str(tmp_path_factory.mktemp(f"{name}-model"))
+        torch.manual_seed(0)
+        config = build_config("tiny-qwen3", {**OVERRIDES, **overrides, "vocab_size": len(tokenizer)})
+        AutoModelForCausalLM.from_config(config).save_pretrained(directories[name])
+    return directories
+
+
+def _trl(cls, directory: str, tokenizer, tmp_path, completions_logprobs, **options):
+    """TRL's trainer of ``cls``'s algorithm on the model in ``directory``, generating the test's completions (with
+    ``completions_logprobs`` as vLLM's log-probabilities, GRPO only)."""
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+
+    grpo = cls is GRPOModule
+    Config, TrainerClass = (GRPOConfig, GRPOTrainer) if grpo else (RLOOConfig, RLOOTrainer)
+    config = Config(output_dir=str(tmp_path), use_cpu=True, bf16=False, disable_dropout=True, report_to=[],
+                    per_device_train_batch_size=len(COMPLETIONS), num_generations=G, max_completion_length=LENGTH,
+                    temperature=0.7, **options)  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="sdpa")
+    trl = TrainerClass(model=model, reward_funcs=[_tokens_reward], args=config, train_dataset=_prompts(),
+                       processing_class=tokenizer)  # fmt: skip
+    completions = [list(c) for c in COMPLETIONS]
+    trl._generate_single_turn = (lambda *a, **k: (completions, completions_logprobs)) if grpo else (
+        lambda *a, **k: completions)  # fmt: skip
+    trl.current_gradient_accumulation_steps = 1  # set by the Trainer in a training loop
+    model.train()
+    return trl, model
 
 
 def _batch() -> dict:
@@ -92,27 +121,16 @@ def _engine_logprobs(module: GRPOModule, prompt_ids: list[list[int]], seed: int)
 
 @pytest.mark.parametrize(("mode", "clip_min"), [("sequence_mask", None), ("sequence_truncate", 0.5),
                                                 ("token_mask", 0.7), ("token_truncate", 0.7)])
-def test_ratios_metrics_loss_and_gradients_equal_trls(saved_model, tokenizer, tmp_path, mode, clip_min):
-    from transformers import AutoModelForCausalLM
-    from trl import GRPOConfig, GRPOTrainer
-
+def test_ratios_metrics_loss_and_gradients_equal_trls(saved_models, tokenizer, tmp_path, mode, clip_min):
     options = {"vllm_importance_sampling_mode": mode, "vllm_importance_sampling_clip_min": clip_min}
     batch = _batch()
-    module = _module(saved_model, EngineCompletions(SamplingSettings(LENGTH, temperature=0.7), [EOS], 0,
+    module = _module(saved_models["dense"], EngineCompletions(SamplingSettings(LENGTH, temperature=0.7), [EOS], 0,
                                                     logprobs=[]), **options)  # fmt: skip
     logprobs = _engine_logprobs(module, batch["prompt_ids"], seed=3)
     module.generation_backend.logprobs = logprobs
 
-    config = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, disable_dropout=True, report_to=[],
-                        per_device_train_batch_size=len(COMPLETIONS), num_generations=G, max_completion_length=LENGTH,
-                        temperature=0.7, **options)  # fmt: skip
-    trl_model = AutoModelForCausalLM.from_pretrained(saved_model, attn_implementation="sdpa")
-    trl = GRPOTrainer(model=trl_model, reward_funcs=[_tokens_reward], args=config, train_dataset=_prompts(),
-                      processing_class=tokenizer)
-    trl._generate_single_turn = lambda *args, **kwargs: ([list(c) for c in COMPLETIONS], logprobs)
+    trl, trl_model = _trl(GRPOModule, saved_models["dense"], tokenizer, tmp_path, logprobs, **options)
     trl.use_vllm = True  # all the correction reads of it: generation is the test's
-    trl.current_gradient_accumulation_steps = 1  # set by the Trainer in a training loop
-    trl_model.train()
     expected = trl._generate_and_score_completions([{"prompt": p} for p in _prompts()["prompt"] for _ in range(G)])
     trl_loss = trl._compute_loss(trl_model, expected)
     trl_loss.backward()
@@ -139,10 +157,10 @@ def test_ratios_metrics_loss_and_gradients_equal_trls(saved_model, tokenizer, tm
                                      terms=TINY_MODEL_TERMS)  # fmt: skip
 
 
-def test_the_correction_is_on_by_default_with_an_engine_that_reports_log_probabilities(saved_model):
+def test_the_correction_is_on_by_default_with_an_engine_that_reports_log_probabilities(saved_models):
     """Through a fit: the sampling metrics are logged; RLOO (TRL's has no such correction) refuses its options."""
     backend = EngineCompletions(SamplingSettings(LENGTH), [EOS], 0, logprobs=[])
-    module = _module(saved_model, backend, learning_rate=1e-2, warmup=0)
+    module = _module(saved_models["dense"], backend, learning_rate=1e-2, warmup=0)
     backend.logprobs = _engine_logprobs(module, _batch()["prompt_ids"], seed=1)
     trainer = Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False)
@@ -160,46 +178,17 @@ def test_the_correction_is_on_by_default_with_an_engine_that_reports_log_probabi
                    vllm_importance_sampling_clip_min=2.0, vllm_importance_sampling_clip_max=1.5)  # fmt: skip
 
 
-MOE = {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
-       "router_aux_loss_coef": 0.5, "output_router_logits": False}
-
-
-@pytest.fixture(scope="module")
-def saved_moe_model(tmp_path_factory, tokenizer):
-    from transformers import AutoModelForCausalLM
-
-    directory = tmp_path_factory.mktemp("moe-model")
-    torch.manual_seed(0)
-    config = build_config("tiny-qwen3", {**OVERRIDES, **MOE, "vocab_size": len(tokenizer)})
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
-    return str(directory)
-
-
 @pytest.mark.parametrize(("cls", "loss_type"), [(GRPOModule, "chunked"), (GRPOModule, "nll"), (RLOOModule, "chunked")])
-def test_a_mixture_of_experts_trains_with_the_router_loss_as_trl_adds_it(saved_moe_model, tokenizer, tmp_path, cls,
+def test_a_mixture_of_experts_trains_with_the_router_loss_as_trl_adds_it(saved_models, tokenizer, tmp_path, cls,
                                                                           loss_type):  # fmt: skip
-    from transformers import AutoModelForCausalLM
-    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
-
-    grpo = cls is GRPOModule
-    Config, TrainerClass = (GRPOConfig, GRPOTrainer) if grpo else (RLOOConfig, RLOOTrainer)
-    options = {} if grpo else {"beta": 0.0}
-    config = Config(output_dir=str(tmp_path), use_cpu=True, bf16=False, disable_dropout=True, report_to=[],
-                    per_device_train_batch_size=len(COMPLETIONS), num_generations=G, max_completion_length=LENGTH,
-                    temperature=0.7, **options)  # fmt: skip
-    trl_model = AutoModelForCausalLM.from_pretrained(saved_moe_model, attn_implementation="sdpa")
-    trl = TrainerClass(model=trl_model, reward_funcs=[_tokens_reward], args=config, train_dataset=_prompts(),
-                       processing_class=tokenizer)
-    completions = [list(c) for c in COMPLETIONS]
-    trl._generate_single_turn = (lambda *a, **k: (completions, None)) if grpo else (lambda *a, **k: completions)
-    trl.current_gradient_accumulation_steps = 1
-    trl_model.train()
+    options = {} if cls is GRPOModule else {"beta": 0.0}
+    trl, trl_model = _trl(cls, saved_models["moe"], tokenizer, tmp_path, None, **options)
     expected = trl._generate_and_score_completions([{"prompt": p} for p in _prompts()["prompt"] for _ in range(G)])
     trl_loss = trl._compute_loss(trl_model, expected)
     trl_loss.backward()
 
     backend = EngineCompletions(SamplingSettings(LENGTH, temperature=0.7), [EOS], 0, logprobs=None)
-    module = _module(saved_moe_model, backend, cls=cls, loss_type=loss_type, **options)
+    module = _module(saved_models["moe"], backend, cls=cls, loss_type=loss_type, **options)
     rollout, rewards, _ = module.generate_rollout(_batch(), "a test batch")
     rollout, _ = module.prepare_rollout(rollout, rewards)
     out = module.slice_loss(rollout, module.loss_normalizer(rollout))
