@@ -336,16 +336,12 @@ class GRPOModule(CausalLMModule):
             object.__setattr__(self, "_reference_model", copy.deepcopy(self.model).requires_grad_(False).eval())
         super().configure_model()
         reference = self._reference_model
-        if sharding and self.reference_sync is not None:
-            raise ValueError("sync_ref_model=True is not supported under FSDP2 here (its checkpoint): leave it False.")
         if sharding and reference is not None and not is_sharded(reference):
             reference = load_sharded(reference, strategy.parallelize, strategy.parameter_device, strategy.root_device)
             object.__setattr__(self, "_reference_model", reference.requires_grad_(False).eval())
         if self.hparams.disable_dropout:  # the frozen reference scores in eval mode: no dropout to disable
             disable_dropout_in_model(self.model)
         if self.hparams.cast_lm_head_to_fp32:
-            if sharding:
-                raise ValueError("cast_lm_head_to_fp32=True is not supported under FSDP2 here: leave it False.")
             cast_lm_head_to_fp32(self.model)
             if self._reference_model is not None:
                 cast_lm_head_to_fp32(self._reference_model)
@@ -359,6 +355,12 @@ class GRPOModule(CausalLMModule):
                 f"{type(self).__name__} does not support context parallelism (context_parallel_size="
                 f"{context_parallel}): completions are generated and scored whole. Use FSDP2Strategy."
             )
+        sharded_options = {"sync_ref_model": self.reference_sync is not None,
+                           "cast_lm_head_to_fp32": self.hparams.cast_lm_head_to_fp32}  # fmt: skip
+        refused = [name for name, given in sharded_options.items() if given]
+        if refused and hasattr(self.trainer.strategy, "parallelize"):
+            raise ValueError(f"{refused} are not supported under FSDP2 here (the synced reference's checkpoint, the "
+                             "head's own fp32 shard group): leave them False.")  # fmt: skip
 
     def on_fit_start(self) -> None:
         super().on_fit_start()

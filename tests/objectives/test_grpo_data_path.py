@@ -180,13 +180,20 @@ def test_cast_lm_head_to_fp32_scores_with_fp32_logits_in_a_bf16_model(loss_type)
     assert_each_equal_up_to_rounding({"logps": ours}, {"logps": expected}, terms=TINY_MODEL_TERMS)
 
 
-def test_cast_lm_head_to_fp32_refuses_a_tied_or_adapted_head():
+def test_cast_lm_head_to_fp32_and_sync_ref_model_refuse_what_they_do_not_support():
     for overrides, lora, match in [({}, None, "untied from the input embeddings"),
                                    ({"tie_word_embeddings": False}, LoraSettings(lm_head=True), "LoRA adapter")]:
         module = GRPOModule(preset="tiny-qwen3", config_overrides={**OVERRIDES, **overrides}, lora=lora,
                             tokenizer="lit-memtrain/embedded", reward_funcs=[_token_sum], cast_lm_head_to_fp32=True)
         with pytest.raises(ValueError, match=match):
             module.configure_model()
+    module = _module(accumulation=1, beta=0.1, sync_ref_model=True)
+    trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer.strategy.connect(module)
+    module.trainer = trainer
+    trainer.strategy.parallelize = lambda model: model  # what marks a sharding strategy (FSDP2Strategy has it)
+    with pytest.raises(ValueError, match=r"\['sync_ref_model'\] are not supported under FSDP2"):
+        module.setup("fit")
 
 
 def test_sync_ref_model_mixes_the_policy_into_the_reference_as_trls_callback_and_checkpoints_it(tmp_path):
