@@ -347,6 +347,7 @@ class FakeServer:
         self.engine = FakeEngine(directory)
         self.requests: list[tuple[str, dict | None]] = []
         self.arrivals: queue.Queue = queue.Queue()
+        self.logprobs_mode = "processed_logprobs"  # what TRL's vllm-serve starts it with
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -363,8 +364,10 @@ class FakeServer:
 
             def do_GET(self) -> None:
                 fake.requests.append((self.path, None))
+                config = {"weight_transfer_config": {"backend": "nccl"},
+                          "model_config": {"logprobs_mode": fake.logprobs_mode}}
                 answers = {"/health": {}, "/v1/models": {"data": [{"id": "served"}]}, "/get_world_size": {"world_size": 1},
-                           "/server_info?config_format=json": {"vllm_config": {"weight_transfer_config": {"backend": "nccl"}}}}
+                           "/server_info?config_format=json": {"vllm_config": config}}
                 self._answer(answers[self.path])
 
             def do_POST(self) -> None:
@@ -439,6 +442,16 @@ def test_an_unreachable_server_names_the_command_that_starts_it(fake_vllm, model
     with pytest.raises(ConnectionError, match=r"No vLLM server answered at http://127.0.0.1:9 .* VLLM_SERVER_DEV_MODE=1 "
                                               r"vllm serve <model> --weight-transfer-config"):
         backend.setup(model)
+
+
+def test_a_server_reporting_raw_log_probabilities_is_warned_of_as_trl_warns(fake_server, model, recwarn):
+    fake_server.logprobs_mode = "raw_logprobs"
+    VLLMServer(SamplingSettings(), [2], 0, base_url=fake_server.url, connection_timeout=5).setup(model)
+    assert [str(w.message) for w in recwarn if "logprobs-mode" in str(w.message)] == [
+        f"The vLLM server at {fake_server.url} runs with --logprobs-mode raw_logprobs: the log-probabilities it "
+        "reports are not those it sampled with, which biases the importance-sampling correction. Restart it with "
+        "--logprobs-mode processed_logprobs, or set vllm_importance_sampling_correction=False."
+    ]
 
 
 # --------------------------------------------------------------------------------------------- through GRPO fits

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -81,6 +82,14 @@ class VLLMServerClient:
             raise RuntimeError(
                 f"The vLLM server at {self.base_url} has no weight-transfer engine, so it cannot take the trained "
                 f"weights. Restart it as {SERVER_COMMAND}."
+            )
+        logprobs_mode = (config.get("model_config") or {}).get("logprobs_mode", "processed_logprobs")
+        if logprobs_mode != "processed_logprobs":  # TRL's warning
+            warnings.warn(
+                f"The vLLM server at {self.base_url} runs with --logprobs-mode {logprobs_mode}: the log-probabilities "
+                "it reports are not those it sampled with, which biases the importance-sampling correction. Restart "
+                "it with --logprobs-mode processed_logprobs, or set vllm_importance_sampling_correction=False.",
+                stacklevel=2,
             )
 
     def init_weight_transfer(self, group_port: int) -> None:
