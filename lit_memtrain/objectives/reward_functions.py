@@ -14,9 +14,10 @@ completion is ``[{"role": "assistant", "content": text}]``), ``completion_ids`` 
 keyword arguments every other column of the prompt dataset (one value per completion) plus ``trainer_state`` (the
 Hugging Face ``TrainerState`` fields :class:`TrainerState` lists), ``log_metric(name, value)`` (a scalar logged as
 ``train/<name>``) and ``log_extra(column, values)`` (TRL's: one value per completion, kept for this generation batch
-in :attr:`~lit_memtrain.objectives.grpo.GRPOModule.completion_extras`; lit-memtrain has no completions table). ``None`` means "not scored" (the
-completion is left out of its group's statistics); a trained reward model is one such function. A function may be
-given as an import path (``"my_rewards.accuracy"``), which is how a YAML config names it.
+in :attr:`~lit_memtrain.objectives.grpo.GRPOModule.completion_extras`; lit-memtrain has no completions table).
+``None`` means "not scored" (the completion is left out of its group's statistics); a trained reward model is one
+such function. A function may be given as an import path (``"my_rewards.accuracy"``), which is how a YAML config
+names it.
 """
 
 from __future__ import annotations
@@ -156,7 +157,8 @@ class RewardFunctions:
         """``[N, K]`` float32 rewards of the ``N`` completions by the ``K`` functions, NaN where not scored.
 
         ``columns`` are the other dataset columns (one value per completion), ``extra`` further keyword arguments
-        (``trainer_state``, ``log_metric``, ``log_extra``); ``where`` names the batch in errors ("training batch 12, step 40").
+        (``trainer_state``, ``log_metric``, ``log_extra``); ``where`` names the batch in errors ("training batch 12,
+        step 40").
 
         Raises:
             RuntimeError: a function raised (chained).

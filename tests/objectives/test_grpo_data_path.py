@@ -28,7 +28,8 @@ class PromptCompletions(GenerationBackend):
     """Completions that depend on the prompt alone: every run trains on the same ones, whatever its weights."""
 
     def generate(self, model, prompt_ids, num_generations, device, weights_version):
-        return [[10 + (sum(ids) + 7 * g + k) % 50 for k in range(3)] for ids in prompt_ids for g in range(num_generations)]
+        return [[10 + (sum(ids) + 7 * g + k) % 50 for k in range(3)]
+                for ids in prompt_ids for g in range(num_generations)]
 
 
 def _token_sum(completion_ids, **kwargs):
