@@ -83,6 +83,8 @@ class PolicyLoss:
         policy_loss: ``loss`` without the entropy bonus (detached), when a bonus was added (TRL logs it).
         means: what else TRL logs as a mean over the trained tokens (``[B, T]`` values) or the completions (``[B]``),
             by TRL's name: ``cispo_clip_ratio``, ``vespo/phi_seq_mean``.
+        router_aux: a mixture-of-experts model's router load-balancing loss of the micro-batch (detached), when
+            ``loss`` includes it.
     """
 
     loss: Tensor
@@ -93,6 +95,7 @@ class PolicyLoss:
     entropy: Tensor | None = None
     policy_loss: Tensor | None = None
     means: dict[str, Tensor] = field(default_factory=dict)
+    router_aux: Tensor | None = None
 
 
 def k3_kl(logps: Tensor, ref_logps: Tensor) -> Tensor:
@@ -137,13 +140,18 @@ def high_entropy_mask(
 @torch.no_grad()
 def vespo_gamma_weights(
     advantages: Tensor, log_ratio: Tensor, mask: Tensor, k_pos: float, lambda_pos: float, k_neg: float,
-    lambda_neg: float,
+    lambda_neg: float, importance_weights: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
     """VESPO's ``[B, 1]`` weights ``phi(w) = exp(lambda + k log w - lambda w)`` (1 at ``w = 1``) of each completion's
     importance weight ``w = exp(sum_t clamp(log_ratio, -20, 20))``, ``log w`` clamped to ``[log 1e-8, 20]``, as TRL's
-    ``get_gamma_weights`` (without vLLM's importance-sampling ratio); no gradient: a per-completion scale."""
+    ``get_gamma_weights``; vLLM's importance-sampling ratio (``importance_weights``, ``[B, T]`` or ``[B, 1]``), when
+    given, joins ``w`` there (its log clamped to ``[log 1e-8, 20]``), as in TRL. No gradient: a per-completion scale."""
     lower = math.log(1e-8)
-    log_w = (torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(dim=-1, keepdim=True).clamp(lower, 20.0)
+    log_w = (torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(dim=-1, keepdim=True)
+    if importance_weights is not None:
+        log_is = torch.clamp(torch.log(importance_weights), lower, 20.0)
+        log_w = log_w + (log_is * mask if log_is.shape == mask.shape else log_is).sum(dim=-1, keepdim=True)
+    log_w = log_w.clamp(lower, 20.0)
     nonnegative = advantages >= 0
     k = torch.where(nonnegative, k_pos, k_neg)
     lam = torch.where(nonnegative, lambda_pos, lambda_neg).clamp(min=1e-4)
@@ -169,6 +177,7 @@ def clipped_policy_loss(
     entropy_mask: Tensor | None = None,
     entropies: Tensor | None = None,
     entropy_coef: float | None = None,
+    importance_weights: Tensor | None = None,
 ) -> PolicyLoss:
     """GRPO's policy loss of one micro-batch: TRL's ``_compute_loss`` (see the module docstring for each variant).
 
@@ -195,6 +204,9 @@ def clipped_policy_loss(
         entropies: ``[B, T]`` the policy's entropy per token, with gradient: needed by the entropy bonus.
         entropy_coef: the entropy bonus's coefficient for this micro-batch; None: no bonus (0.0 is a bonus of 0,
             logged as one).
+        importance_weights: ``[B, T]`` or ``[B, 1]`` weights of the policy term (TRL's vLLM importance-sampling
+            ratio, :mod:`~lit_memtrain.objectives.sampling_correction`), applied before the KL term is added; for
+            ``vespo``, part of its weights ``phi`` instead, as TRL.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}.")
@@ -238,13 +250,15 @@ def clipped_policy_loss(
         per_token = -(torch.sigmoid(temperatures * (ratio - 1)) * 4 / temperatures) * column
     else:  # vespo
         phi = vespo_gamma_weights(column, log_ratio, mask, options.vespo_k_pos, options.vespo_lambda_pos,
-                                  options.vespo_k_neg, options.vespo_lambda_neg)  # fmt: skip
+                                  options.vespo_k_neg, options.vespo_lambda_neg, importance_weights)  # fmt: skip
         per_token = -phi * column * logps
         means["vespo/phi_seq_mean"] = phi.squeeze(1)  # one per completion, as TRL counts it
     if options.off_policy_mask_threshold is not None:
         per_token = per_token * off_policy_mask(column, logps, old_logps, mask, options.off_policy_mask_threshold)
     if entropy_mask is not None:
         per_token = per_token * entropy_mask
+    if importance_weights is not None and loss_type != "vespo":  # vLLM's ratio (vespo's is in phi), before the KL
+        per_token = per_token * importance_weights
     if kl is not None:
         per_token = per_token + beta * kl
     loss = _aggregate(per_token * mask, mask, loss_type, accumulation_steps, max_completion_length, dapo_normalizer)

@@ -24,7 +24,7 @@ from lit_memtrain.objectives.causal_lm import CausalLMModule
 
 __all__ = ["TRL_FIELDS", "TrlField", "refuse_trl_fields"]
 
-Status = Literal["same", "renamed", "offered by issue 38 points 2-4", "not offered"]
+Status = Literal["same", "renamed", "not offered"]
 
 
 @dataclass(frozen=True)
@@ -51,10 +51,6 @@ def _renamed(ours: str, why: str = "", configs: Literal["both", "GRPOConfig", "R
 
 def _no(why: str, configs: Literal["both", "GRPOConfig", "RLOOConfig"] = "both") -> TrlField:
     return TrlField("not offered", "", why, configs)
-
-
-def _points_2_4(configs: Literal["both", "GRPOConfig", "RLOOConfig"] = "both") -> TrlField:
-    return TrlField("offered by issue 38 points 2-4", "", "issue 38 (points 2-4) adds it", configs)
 
 
 _TRAINER = "the Lightning Trainer's"
@@ -163,7 +159,8 @@ TRL_FIELDS: dict[str, TrlField] = {
     "accelerator_config": _no("no Accelerate: the Lightning Trainer runs the loop"),
     "parallelism_config": _renamed("Trainer(strategy=FSDP2Strategy(...))", "context parallelism is refused, as TRL's "
                                    "GRPO refuses it"),
-    "dataloader_drop_last": _no("see issue 38 point 4(b) (an epoch's last, smaller prompt batch)"),
+    "dataloader_drop_last": _renamed("PromptDataModule(drop_last=...)", "default True: TRL's RepeatSampler drops an "
+                                     "epoch's incomplete generation batch"),
     "dataloader_num_workers": _renamed("PromptDataModule(num_workers=...)"),
     "dataloader_pin_memory": _no(_LOADER),
     "dataloader_persistent_workers": _no(_LOADER),
@@ -193,23 +190,24 @@ TRL_FIELDS: dict[str, TrlField] = {
     # --- the online RL fields of both configs
     "model_init_kwargs": _same(),
     "trust_remote_code": _same(),
-    "router_aux_loss_coef": _same("GRPO/RLOO refuse router (MoE) models at fit start until issue 38 point 3"),
-    "disable_dropout": _points_2_4(),
-    "cast_lm_head_to_fp32": _points_2_4("GRPOConfig"),
+    "router_aux_loss_coef": _same("a CausalLMModule option: the router load-balancing loss added as TRL adds it"),
+    "disable_dropout": _same(),
+    "cast_lm_head_to_fp32": _grpo("not under FSDP2, with a LoRA adapter on the head or a head tied to the embeddings"),
     "num_generations": _same(),
-    "num_generations_eval": _points_2_4(),
+    "num_generations_eval": _same(),
     "max_completion_length": _same(),
     "ds3_gather_for_generation": _renamed("gather_weights_for_generation", "the same choice under FSDP2"),
     "shuffle_dataset": _no("training prompts are always shuffled (PromptDataModule(seed=...))"),
     "pad_to_multiple_of": _no("slices are scored padding-free (padding_free=False: right-padded to the longest)"),
-    "generation_batch_size": _points_2_4(),
+    "generation_batch_size": _same("checked at fit start against PromptDataModule(batch_size=...) x num_generations "
+                                   "x ranks"),
     "steps_per_generation": _same(),
     "temperature": _same(),
     "top_p": _same(),
     "top_k": _same(),
     "min_p": _same(),
-    "generation_kwargs": _points_2_4(),
-    "chat_template_kwargs": _points_2_4(),
+    "generation_kwargs": _same(),
+    "chat_template_kwargs": _renamed("PromptDataModule(chat_template_kwargs=...)", "the datamodule renders prompts"),
     "repetition_penalty": _same(),
     "cache_implementation": _no("generation uses the backend's own cache"),
     "use_vllm": _renamed("generation_backend='vllm_colocate' / 'vllm_server'"),
@@ -232,9 +230,9 @@ TRL_FIELDS: dict[str, TrlField] = {
     "epsilon_high": _same(),
     "reward_weights": _same(),
     "mask_truncated_completions": _same(),
-    "sync_ref_model": _points_2_4(),
-    "ref_model_mixup_alpha": _points_2_4(),
-    "ref_model_sync_steps": _points_2_4(),
+    "sync_ref_model": _same("the frozen-copy reference (beta != 0, no LoRA); not under FSDP2"),
+    "ref_model_mixup_alpha": _same(),
+    "ref_model_sync_steps": _same(),
     "log_completions": _no("no completion tables; reward functions can log_metric(name, value)"),
     "log_multimodal": _no("text prompts only"),
     "num_completions_to_print": _no("no completion tables"),
@@ -264,11 +262,13 @@ TRL_FIELDS: dict[str, TrlField] = {
     "entropy_coef_delta": _grpo(),
     "entropy_target": _grpo(),
     "max_tool_calling_iterations": _no("no tool calling", "GRPOConfig"),
-    "vllm_importance_sampling_correction": _points_2_4("GRPOConfig"),
-    "vllm_importance_sampling_mode": _points_2_4("GRPOConfig"),
-    "vllm_importance_sampling_clip_max": _points_2_4("GRPOConfig"),
-    "vllm_importance_sampling_clip_min": _points_2_4("GRPOConfig"),
-    "vllm_importance_sampling_cap": _points_2_4("GRPOConfig"),
+    "vllm_importance_sampling_correction": _grpo("on with the vLLM backends, which report their sampling "
+                                                 "log-probabilities; the others have nothing to correct"),
+    "vllm_importance_sampling_mode": _grpo(),
+    "vllm_importance_sampling_clip_max": _grpo(),
+    "vllm_importance_sampling_clip_min": _grpo(),
+    "vllm_importance_sampling_cap": _renamed("vllm_importance_sampling_clip_max", "TRL 1.16 deprecates the cap for it",
+                                             "GRPOConfig"),
     "off_policy_mask_threshold": _grpo(),
     "use_bias_correction_kl": _grpo(),
     "log_completions_hub_repo": _no(_NO_HUB, "GRPOConfig"),

@@ -23,8 +23,6 @@ from lit_memtrain.objectives.trl_config_fields import TRL_FIELDS
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "online_rl.md"
 BEGIN, END = "<!-- trl-config-fields: begin (generated) -->", "<!-- trl-config-fields: end -->"
-# Issue 38 points 2-4 add these in another change; when they arrive, set their status to "same" in TRL_FIELDS.
-AWAITED = {name for name, entry in TRL_FIELDS.items() if entry.status == "offered by issue 38 points 2-4"}
 
 
 def _trl_defaults() -> tuple[dict[str, object], dict[str, object]]:
@@ -68,8 +66,7 @@ def render_table() -> str:
     rows = ["| TRL field | GRPOConfig | RLOOConfig | GRPOModule / RLOOModule | why, or where |",
             "| --- | --- | --- | --- | --- |"]  # fmt: skip
     for name, entry in TRL_FIELDS.items():
-        ours = {"renamed": f"renamed: {entry.ours}", "offered by issue 38 points 2-4": "same (issue 38 points 2-4)"}
-        status = ours.get(entry.status, entry.status)
+        status = f"renamed: {entry.ours}" if entry.status == "renamed" else entry.status
         rows.append(f"| `{name}` | {cell(grpo, name)} | {cell(rloo, name)} | {status} | {entry.why} |")
     return "\n".join(rows)
 
@@ -103,10 +100,7 @@ def test_a_field_we_call_the_same_is_a_parameter_with_trls_default(cls, config):
     trl = grpo if config == "GRPOConfig" else rloo
     parameters = _parameters(cls)
     for name, entry in TRL_FIELDS.items():
-        if name not in trl or entry.status not in ("same", "offered by issue 38 points 2-4"):
-            continue
-        if name in AWAITED:
-            assert name not in parameters, f"{name} arrived: set its status to 'same' in TRL_FIELDS"
+        if name not in trl or entry.status != "same":
             continue
         assert name in parameters, f"{cls.__name__} lacks {name}, which the table calls the same as TRL's"
         assert parameters[name] == trl[name], f"{name}: ours {parameters[name]!r}, TRL's {trl[name]!r}"
