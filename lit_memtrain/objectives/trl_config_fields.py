@@ -159,8 +159,8 @@ TRL_FIELDS: dict[str, TrlField] = {
     "accelerator_config": _no("no Accelerate: the Lightning Trainer runs the loop"),
     "parallelism_config": _renamed("Trainer(strategy=FSDP2Strategy(...))", "context parallelism is refused, as TRL's "
                                    "GRPO refuses it"),
-    "dataloader_drop_last": _renamed("PromptDataModule(drop_last=...)", "default True: TRL's RepeatSampler drops an "
-                                     "epoch's incomplete generation batch"),
+    "dataloader_drop_last": _no("TRL's GRPO/RLOO sampler drops an epoch's incomplete generation batch whatever it "
+                                "says; PromptDataModule(drop_last=True), the default, does the same"),
     "dataloader_num_workers": _renamed("PromptDataModule(num_workers=...)"),
     "dataloader_pin_memory": _no(_LOADER),
     "dataloader_persistent_workers": _no(_LOADER),
