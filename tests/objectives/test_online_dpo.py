@@ -9,10 +9,11 @@ import pytest
 import torch
 from equivalence import TINY_MODEL_TERMS, assert_each_equal_up_to_rounding, assert_equal_up_to_rounding
 from lightning.pytorch import Callback, Trainer
-from tiny_models import save_tiny_causal_lm
+from tiny_models import TINY_OVERRIDES, save_tiny_causal_lm
 
 from lit_memtrain.datamodules.prompts import PromptDataModule
 from lit_memtrain.models.lora import LoraSettings
+from lit_memtrain.models.presets import build_config
 from lit_memtrain.objectives.online_dpo import OnlineDPOModule
 from lit_memtrain.objectives.rollout import Rollout
 
@@ -212,3 +213,14 @@ def test_an_epochs_last_shorter_accumulation_window_steps_and_the_schedule_count
     trainer.fit(module, datamodule=PromptDataModule(dataset=_prompts(3), batch_size=1, seed=0))
     assert trainer.global_step == 4
     assert module.estimated_optimizer_steps() == 4
+
+
+def test_a_mixture_of_experts_model_is_refused_at_fit_start_as_trl_adds_no_router_loss(tmp_path, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    moe = {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+           "router_aux_loss_coef": 0.5}
+    config = build_config("tiny-qwen3", {**TINY_OVERRIDES, **moe, "vocab_size": len(tokenizer)})
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"has routers: OnlineDPOModule does not add .*router_aux_loss_coef=0"):
+        _fit(_module(str(tmp_path)), max_steps=1)
