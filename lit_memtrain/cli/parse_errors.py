@@ -8,7 +8,8 @@ names the key and, from the keys that exist, the nearest one (:func:`difflib.get
 - ``unrecognized arguments: --data.max_lenght 5`` (a command-line key the parser does not know);
 - ``Subcommand 'fit' does not accept option 'model.lerning_rate'`` (a key in a config file);
 - ``Parser key "trainer.callbacks": ... Problem with given class_path 'C': Option 'selectiv' is not accepted``
-  (an argument a class given by ``class_path`` does not take, on the command line or in a file);
+  (an argument a class given by ``class_path`` does not take, on the command line or in a file; a field of TRL's
+  ``GRPOConfig`` / ``RLOOConfig`` that GRPOModule / RLOOModule do not take gets their reason instead);
 - ``Parser key "K": ... module 'M' has no attribute 'N'`` (a ``class_path`` naming no class);
 - ``Parser key "K": Expected a <class 'int'>. Got value: abc`` (a value of the wrong type).
 
@@ -83,6 +84,9 @@ def _explain_value_problem(text: str) -> str:
         option = _OPTION_NOT_ACCEPTED.search(reason)
         if option:
             name = option["option"]
+            refusal = _trl_field_refusal(class_path, name)
+            if refusal:
+                return refusal
             return f"{class_path} takes no argument {name!r}{did_you_mean(name, _init_arguments(class_path))}"
         missing = _NO_ATTRIBUTE.search(reason)
         if missing:
@@ -95,6 +99,26 @@ def _explain_value_problem(text: str) -> str:
     lines = [line.strip(" -") for line in text.splitlines()]
     lines = [line for line in lines if line and not line.startswith(_JSONARGPARSE_HEADINGS)]
     return lines[0] if lines else _joined(text)
+
+
+def _trl_field_refusal(class_path: str, name: str) -> str | None:
+    """What GRPOModule / RLOOModule say of TRL's field ``name`` they do not take (its new name, or why not); None
+    for another class or a name TRL does not have."""
+    from lit_memtrain.objectives.grpo import GRPOModule
+    from lit_memtrain.objectives.trl_config_fields import refuse_trl_fields
+
+    module, _, class_name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), class_name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    if not (isinstance(cls, type) and issubclass(cls, GRPOModule)):
+        return None
+    try:
+        refuse_trl_fields(cls.__name__, {name: True})
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def _init_arguments(class_path: str) -> list[str]:

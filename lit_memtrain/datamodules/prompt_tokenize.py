@@ -19,7 +19,7 @@ __all__ = ["RESERVED_COLUMNS", "PromptTruncation", "detect_prompt_format", "toke
 
 PromptTruncation = Literal["keep_end", "keep_start"]
 
-RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric")
+RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
 """Names reward functions receive as keyword arguments already: a dataset column may not take one of them."""
 _NOT_PASSED = ("prompt", "completion")  # given to reward functions as prompts= and completions= (generated)
 
@@ -46,11 +46,13 @@ def tokenize_prompt(
     tokenizer: Any,
     max_prompt_length: int | None = None,
     prompt_truncation: PromptTruncation = "keep_end",
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``prompt_ids`` of one example (cut to ``max_prompt_length``) and its length before the cut (``num_tokens``).
 
     ``max_prompt_length`` keeps the prompt's last tokens (``keep_end``: the end of the question and the generation
-    prompt, where the answer starts) or its first ones (``keep_start``).
+    prompt, where the answer starts) or its first ones (``keep_start``). ``chat_template_kwargs`` go to the chat
+    template of conversational prompts (TRL's, e.g. ``{"enable_thinking": False}``).
 
     Raises:
         ExampleError: a missing or empty prompt, or one that is neither a string nor a list of messages.
@@ -64,7 +66,9 @@ def tokenize_prompt(
                 "the prompt is a list of chat messages but the tokenizer has no chat template; use a tokenizer with "
                 "a chat_template (for example an instruct model's) or give prompts as strings."
             )
-        rendered = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)
+        rendered = tokenizer.apply_chat_template(
+            prompt, add_generation_prompt=True, tokenize=True, return_dict=True, **(chat_template_kwargs or {})
+        )
         ids = list(rendered["input_ids"])
     else:
         raise ExampleError(

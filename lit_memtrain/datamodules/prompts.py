@@ -1,11 +1,12 @@
-"""PromptDataModule: prompts for online RL (GRPO, RLOO), tokenized and cut to ``max_prompt_length``.
+"""PromptDataModule: prompts for online RL (GRPO, RLOO), tokenized whole (or cut to ``max_prompt_length``).
 
 Why its own datamodule: an RL step starts from prompts alone; the completions are generated in the step and the
 rewards computed from them and from the other columns of each row (an ``answer`` the reward function checks, a
 test suite...). So a batch keeps, beside each prompt's token ids, the prompt as the dataset gave it (a string or
 chat messages, what TRL passes to reward functions) and every other column, untouched.
 
-Prompts longer than ``max_prompt_length`` are cut (their last tokens kept by default, nearest the answer), counted,
+Prompts are tokenized whole by default, as TRL 1.16's ``GRPOTrainer`` tokenizes them (it has no prompt cut). With
+``max_prompt_length`` set, longer prompts are cut (their last tokens kept by default, nearest the answer), counted,
 and the count logged per split: never silently.
 """
 
@@ -21,6 +22,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lit_memtrain.datamodules.batch import SCORED, scored_column
 from lit_memtrain.datamodules.embedded import EMBEDDED, embedded_prompt_path
 from lit_memtrain.datamodules.prompt_tokenize import PromptTruncation, detect_prompt_format, tokenize_prompt
+from lit_memtrain.datamodules.resumable import ResumableDataLoader
 from lit_memtrain.datamodules.sources import RawData
 from lit_memtrain.datamodules.splits import check_validation_args, load_splits
 from lit_memtrain.datamodules.tokenize import tokenize_located, truncation_warning
@@ -92,13 +94,19 @@ class PromptDataModule(TokenizedSplitsDataModule):
         dataset: hub dataset name, local file or directory, an in-memory ``datasets.Dataset``, or
             ``"lit-memtrain/embedded"`` (two-digit additions, conversational, with their ``answer``).
         dataset_config, data_files, split: as for :class:`~lit_memtrain.datamodules.sft.SFTDataModule`.
-        max_prompt_length: tokens kept of each prompt (``None``: all); longer prompts are cut and counted.
+        max_prompt_length: tokens kept of each prompt (``None``, the default: all, as TRL 1.16, which has no such
+            option); longer prompts are cut and counted. The memory planner needs it set: the longest prompt it plans.
         prompt_truncation: which tokens ``max_prompt_length`` keeps: ``keep_end`` (the last, nearest the answer) or
             ``keep_start``.
+        chat_template_kwargs: TRL's: keyword arguments of the chat template that renders conversational prompts
+            (e.g. ``{"enable_thinking": False}`` for Qwen3).
         val_size: fraction (< 1) or number (>= 1) of training prompts held out for validation.
         val_split: name of an existing split to validate on instead.
         batch_size: prompts per batch on each rank (each gets the module's ``num_generations`` completions: TRL's
             ``per_device_train_batch_size`` counts completions instead); ``val_batch_size`` defaults to it.
+        drop_last: train only whole batches (``batch_size`` prompts on every rank): an epoch's last, smaller batch
+            is dropped, as TRL's ``RepeatSampler`` drops an incomplete generation batch (default True). False trains
+            it too (a batch of fewer prompts: another size of group statistics and of the DAPO normaliser).
         num_workers: DataLoader workers.
         num_proc: processes for tokenization with ``datasets.map``.
         seed: seed of the training shuffle and of the validation hold-out.
@@ -117,12 +125,14 @@ class PromptDataModule(TokenizedSplitsDataModule):
         dataset_config: str | None = None,
         data_files: str | list[str] | dict[str, Any] | None = None,
         split: str = "train",
-        max_prompt_length: int | None = 512,
+        max_prompt_length: int | None = None,
         prompt_truncation: PromptTruncation = "keep_end",
+        chat_template_kwargs: dict[str, Any] | None = None,
         val_size: float = 0.0,
         val_split: str | None = None,
         batch_size: int = 8,
         val_batch_size: int | None = None,
+        drop_last: bool = True,
         num_workers: int = 0,
         num_proc: int | None = None,
         seed: int = 42,
@@ -136,6 +146,10 @@ class PromptDataModule(TokenizedSplitsDataModule):
             raise ValueError(
                 f"batch_size and val_batch_size must be at least 1 prompt, got {batch_size} and {val_batch_size}."
             )
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise TypeError(
+                f"chat_template_kwargs must be a dict of the chat template's arguments, got {chat_template_kwargs!r}."
+            )
         check_validation_args(val_size, val_split)
         self.save_hyperparameters(ignore=["dataset"] if not isinstance(dataset, str) else None)
         self.tokenizer_name = tokenizer
@@ -145,10 +159,12 @@ class PromptDataModule(TokenizedSplitsDataModule):
         self.split = split
         self.max_prompt_length = max_prompt_length
         self.prompt_truncation = prompt_truncation
+        self.chat_template_kwargs = chat_template_kwargs
         self.val_size = val_size
         self.val_split = val_split
         self.batch_size = batch_size
         self.val_batch_size = val_batch_size or batch_size
+        self.drop_last = drop_last
         self.num_workers = num_workers
         self.num_proc = num_proc
         self.seed = seed
@@ -178,6 +194,7 @@ class PromptDataModule(TokenizedSplitsDataModule):
                 "tokenizer": self.tokenizer,
                 "max_prompt_length": self.max_prompt_length,
                 "prompt_truncation": self.prompt_truncation,
+                "chat_template_kwargs": self.chat_template_kwargs,
             },
             num_proc=self.num_proc,
             desc=f"Tokenizing {name} (prompts)",
@@ -198,6 +215,18 @@ class PromptDataModule(TokenizedSplitsDataModule):
             rank_zero_warn(warning)
         self.reward_columns = columns
         return tokenized.select_columns(["prompt", "prompt_ids", *columns])
+
+    def train_dataloader(self) -> ResumableDataLoader:
+        prompts, (ranks, _) = len(self.datasets["train"]), self.data_parallel()
+        if self.drop_last and prompts < self.batch_size * ranks:
+            raise ValueError(
+                f"The training split has {prompts} prompts, fewer than one whole batch (batch_size={self.batch_size} "
+                f"x {ranks} ranks), and drop_last=True drops incomplete batches: an epoch would train nothing. Use a "
+                "smaller batch_size, more prompts, or drop_last=False."
+            )
+        return self.resumable_train_loader(
+            self.datasets["train"], self.batch_size, self.collator(), self.seed, self.num_workers, self.drop_last
+        )
 
     def collator(self) -> PromptCollator:
         return PromptCollator(self.reward_columns)

@@ -45,21 +45,32 @@ class ResumableDataModule(LightningDataModule):
         return self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
 
     def resumable_train_loader(
-        self, dataset: Any, batch_size: int, collate_fn: Any, seed: int | None = None, num_workers: int = 0
+        self,
+        dataset: Any,
+        batch_size: int,
+        collate_fn: Any,
+        seed: int | None = None,
+        num_workers: int = 0,
+        drop_last: bool = False,
     ) -> ResumableDataLoader:
         """The training loader, at the position of a checkpoint being restored if there is one.
 
         With ``seed``, map-style ``dataset`` is shuffled and split over the data-parallel ranks by a
         :class:`ResumableSampler`; without, ``dataset`` is a stream read in order (it shards itself).
+        ``drop_last``: each epoch trains only whole batches of every rank (``batch_size * world_size`` rows, as
+        many as ``len(dataset) // (batch_size * world_size)``; no row repeated to even out the ranks).
         """
         sampler = None
         if seed is not None:
             replicas, rank = self.data_parallel()
-            sampler = ResumableSampler(dataset, num_replicas=replicas, rank=rank, shuffle=True, seed=seed)
+            sampler = ResumableSampler(
+                dataset, num_replicas=replicas, rank=rank, shuffle=True, seed=seed, drop_last=drop_last
+            )
         loader = ResumableDataLoader(
             dataset,
             batch_size=batch_size,
             sampler=sampler,
+            drop_last=drop_last,
             collate_fn=collate_fn,
             num_workers=num_workers,
             persistent_workers=num_workers > 0,

@@ -1,8 +1,8 @@
 """Rewards to advantages for online RL: GRPO's group-relative advantages and RLOO's leave-one-out baseline.
 
 Why plain functions: the formulas are TRL's (``GRPOTrainer`` / ``RLOOTrainer`` of TRL 1.16, the
-``sum_then_normalize`` aggregation), and each is checked on its own in tests against hand-computed values; the
-modules only gather the rewards and call them.
+``sum_then_normalize`` and ``normalize_then_sum`` aggregations), and each is checked on its own in tests against
+hand-computed values or TRL; the modules only gather the rewards and call them.
 
 Layout: a generation batch holds ``num_generations`` completions per prompt, adjacent (completions ``g * G`` to
 ``g * G + G - 1`` answer prompt ``g``). A reward of ``NaN`` means "not scored" (every reward function returned
@@ -25,6 +25,7 @@ __all__ = [
     "group_relative_advantages",
     "leave_one_out_advantages",
     "nanstd",
+    "normalize_then_sum_advantages",
 ]
 
 ScaleRewards = Literal["group", "batch", "none"]
@@ -106,6 +107,35 @@ def group_relative_advantages(rewards: Tensor, num_generations: int, scale_rewar
         advantages = advantages / (std + _STD_EPSILON)
     zero_std = torch.isclose(std, torch.zeros_like(std))
     return GroupAdvantages(torch.nan_to_num(advantages, nan=0.0), zero_std)
+
+
+def normalize_then_sum_advantages(
+    rewards_per_function: Tensor, weights: Tensor, num_generations: int
+) -> GroupAdvantages:
+    """GRPO's advantages with TRL's ``multi_objective_aggregation="normalize_then_sum"`` (GDPO): each function's
+    rewards are z-scored within their group (``(r - mean) / (std + 1e-4)``), the weighted sum of those is z-scored
+    over the whole batch. ``scale_rewards`` plays no part, as in TRL.
+
+    Args:
+        rewards_per_function: ``[N, K]`` every rank's rewards, NaN where a function left a completion unscored (it
+            then adds 0 to the sum; a completion no function scored gets advantage 0).
+        weights: ``[K]`` one per function.
+        num_generations: completions per prompt; groups are ``G`` adjacent completions.
+    """
+    if rewards_per_function.dim() != 2 or weights.shape != (rewards_per_function.shape[1],):
+        raise ValueError(
+            f"rewards_per_function must be [completions, functions] and weights [functions], got "
+            f"{tuple(rewards_per_function.shape)} and {tuple(weights.shape)}."
+        )
+    _check_groups(rewards_per_function[:, 0], num_generations)
+    grouped = rewards_per_function.view(-1, num_generations, rewards_per_function.shape[1])
+    mean = torch.nanmean(grouped, dim=1, keepdim=True)
+    normalized = ((grouped - mean) / (nanstd(grouped, dim=1, keepdim=True) + _STD_EPSILON)).flatten(0, 1)
+    rewards = (normalized * weights.to(normalized).unsqueeze(0)).nansum(dim=1)
+    rewards = rewards.masked_fill(torch.isnan(rewards_per_function).all(dim=1), float("nan"))
+    std = nanstd(rewards).expand_as(rewards)
+    advantages = (rewards - torch.nanmean(rewards)) / (std + _STD_EPSILON)
+    return GroupAdvantages(torch.nan_to_num(advantages, nan=0.0), torch.isclose(std, torch.zeros_like(std)))
 
 
 def leave_one_out_advantages(rewards: Tensor, num_generations: int, normalize: bool = False) -> Tensor:

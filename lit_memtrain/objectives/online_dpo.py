@@ -21,7 +21,15 @@ One training step (one batch of ``P`` prompts on each rank), as TRL 1.16's ``Onl
 4. **Train** on ``mean(loss(beta * (logratio_chosen - logratio_rejected)))``: ``sigmoid`` (DPO) or ``ipo``
    (``(logratio margin - 1 / (2 beta))^2``, on the summed log-ratios: TRL's Online DPO does not divide them by the
    completions' lengths, its offline DPO does), divided by ``gradient_accumulation_steps``; an optimizer step every
-   ``gradient_accumulation_steps`` batches.
+   ``gradient_accumulation_steps`` batches, and after an epoch's last batch on a window left open (rescaled to the
+   mean over its batches), as the Hugging Face Trainer steps at an epoch's end.
+
+TRL's ``OnlineDPOConfig`` has ``generation_kwargs`` and ``disable_dropout`` (default True), taken here under those
+names; it has none of GRPO's ``cast_lm_head_to_fp32``, ``sync_ref_model``, ``num_generations_eval``,
+``generation_batch_size`` or vLLM importance-sampling correction, which are refused with that reason, nor adds a
+mixture-of-experts router's load-balancing loss: a model with routers is refused at fit start unless
+``router_aux_loss_coef=0``. TRL's trainer keeps an epoch's last, smaller batch: ``PromptDataModule(drop_last=False)``
+does the same (its default, True, is TRL's GRPO sampler's).
 """
 
 from __future__ import annotations
@@ -46,6 +54,12 @@ from lit_memtrain.objectives.rollout import Rollout
 
 __all__ = ["OnlineDPOModule"]
 
+# GRPOModule's TRL options that TRL 1.16's OnlineDPOConfig does not have (their OnlineRLModule machinery reads them).
+_GRPO_ONLY = ("cast_lm_head_to_fp32", "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps",
+              "num_generations_eval", "generation_batch_size", "vllm_importance_sampling_correction",
+              "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
+              "vllm_importance_sampling_clip_min")  # fmt: skip
+
 
 class OnlineDPOModule(OnlineRLModule):
     """Train a causal LM with Online DPO on prompts: pairs of its own completions, ranked by a judge.
@@ -68,14 +82,17 @@ class OnlineDPOModule(OnlineRLModule):
         max_new_tokens: tokens per completion at most (TRL's default 64).
         max_length: prompt + completion tokens scored at most: longer prompts lose their first tokens (TRL's default
             512); must exceed ``max_new_tokens``.
-        temperature, top_p, top_k, min_p, repetition_penalty: how completions are drawn (TRL's names and defaults:
-            temperature 0.9); ``do_sample`` (ours): False decodes greedily.
+        temperature, top_p, top_k, min_p, repetition_penalty, generation_kwargs: how completions are drawn (TRL's
+            names and defaults: temperature 0.9; ``generation_kwargs``: further arguments of the backend's sampling);
+            ``do_sample`` (ours): False decodes greedily.
         generation_backend, generation_options, gather_weights_for_generation: as for
             :class:`~lit_memtrain.objectives.grpo.GRPOModule` (``gather_weights_for_generation`` is TRL's
             ``ds3_gather_for_generation``; the vLLM backends are TRL's ``use_vllm`` with ``vllm_mode``).
         gradient_accumulation_steps: batches per optimizer step.
         max_grad_norm: clip the gradients' norm to this before each optimizer step (None: no clipping; TRL's 1.0).
         padding_free: score a batch's completions as one padding-free row; False: right-padded rows.
+        disable_dropout: TRL's (default True, as its ``OnlineDPOConfig``): every dropout probability of the policy
+            (LoRA adapter included) set to 0.
         learning_rate: TRL's default, 5e-7.
         **kwargs: every argument of :class:`~lit_memtrain.objectives.causal_lm.CausalLMModule` (model, preset, lora,
             tokenizer -- required here --, dtype, loss_type, loss_chunk_size, ...).
@@ -109,15 +126,23 @@ class OnlineDPOModule(OnlineRLModule):
         min_p: float | None = None,
         repetition_penalty: float = 1.0,
         do_sample: bool = True,
+        generation_kwargs: dict[str, Any] | None = None,
         generation_backend: str | GenerationBackend = "transformers",
         generation_options: dict[str, Any] | None = None,
         gather_weights_for_generation: bool = True,
         gradient_accumulation_steps: int = 1,
         max_grad_norm: float | None = 1.0,
         padding_free: bool = True,
+        disable_dropout: bool = True,
         learning_rate: float = 5e-7,
         **kwargs: Any,
     ) -> None:
+        given = [name for name in _GRPO_ONLY if name in kwargs]
+        if given:
+            raise ValueError(
+                f"{given} are GRPOModule's (TRL's GRPOConfig has them, its OnlineDPOConfig does not); OnlineDPOModule "
+                "does not take them. Leave them out, or train with GRPOModule."
+            )
         if (reward_funcs is None) == (judge is None):
             raise ValueError(
                 "Give OnlineDPOModule either reward_funcs (scores, a reward model among them) or a pairwise judge, "
@@ -137,7 +162,7 @@ class OnlineDPOModule(OnlineRLModule):
             raise ValueError(f"preference_loss (TRL's loss_type) must be one of {LOSS_TYPES}, got {preference_loss!r}.")
         sampling = SamplingSettings(
             max_completion_length=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-            repetition_penalty=repetition_penalty, do_sample=do_sample,
+            repetition_penalty=repetition_penalty, do_sample=do_sample, generation_kwargs=generation_kwargs,
         )  # fmt: skip
         if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length <= max_new_tokens:
             raise ValueError(
@@ -160,7 +185,9 @@ class OnlineDPOModule(OnlineRLModule):
             )
         self.sampling = sampling
         self.betas = [float(b) for b in betas]
-        self.num_generations = 2  # a pair per prompt, adjacent
+        self.num_generations = self.num_generations_eval = 2  # a pair per prompt, adjacent (validation too)
+        self.reference_sync = None  # TRL's OnlineDPOConfig has no sync_ref_model
+        self.completion_extras: dict[str, list[Any]] = {}  # what reward functions gave log_extra, last batch
         self.steps_per_generation = 1  # the reference scores a batch's completions in one pass, as the policy does
         self.reward_functions = RewardFunctions(reward_funcs, reward_weights) if reward_funcs is not None else None
         self.judge = _pairwise_judge(judge) if judge is not None else None
@@ -196,11 +223,17 @@ class OnlineDPOModule(OnlineRLModule):
         return 1.0
 
     def estimated_optimizer_steps(self) -> int:
-        """The run's optimizer steps: ``max_steps``, else the training batches / ``gradient_accumulation_steps``."""
-        trainer = self.trainer
-        if trainer.max_steps > 0:
-            return trainer.max_steps
-        return max(1, trainer.estimated_stepping_batches // self.hparams.gradient_accumulation_steps)
+        """The run's optimizer steps: one micro-batch per training batch
+        (:meth:`~lit_memtrain.objectives.online_rl.OnlineRLModule.optimizer_steps_for`)."""
+        return self.optimizer_steps_for(1)
+
+    def on_fit_start(self) -> None:
+        if self.router_aux_weight():
+            raise ValueError(
+                f"{type(self.model).__name__} has routers: OnlineDPOModule does not add the router load-balancing loss "
+                "(TRL's OnlineDPOTrainer does not either). Set router_aux_loss_coef=0 to train it without that loss."
+            )
+        super().on_fit_start()
 
     # ----------------------------------------------------------------------------------- judging
 
@@ -324,6 +357,7 @@ class OnlineDPOModule(OnlineRLModule):
         self._micro_steps += 1
         if self._micro_steps % self.hparams.gradient_accumulation_steps == 0:
             self._optimizer_step(self.optimizers())
+        self._close_window_at_epoch_end(self.optimizers(), batch_idx)
         prompts = len(batch["prompt_ids"])
         chosen_scores = metrics.pop("chosen_scores", None)
         if chosen_scores is not None:

@@ -13,35 +13,49 @@ reference; only what it trains on those completions differs between the methods.
 - completion log-probabilities from the final hidden states in chunks, padding-free
   (:meth:`~OnlineRLModule.completion_logps`), never the ``[tokens, vocab]`` logits;
 - gathers and sums over ranks, manual optimisation (an optimizer step every ``gradient_accumulation_steps``
-  micro-batches, gradients clipped to ``max_grad_norm``) and its schedule.
+  micro-batches, gradients clipped to ``max_grad_norm``, an epoch's open window closed at its end, rescaled, as the
+  Hugging Face Trainer) and its schedule;
+- TRL's model options: ``disable_dropout``, ``cast_lm_head_to_fp32`` (a hyper-parameter only GRPO / RLOO have),
+  the synced reference (``reference_sync``) and a mixture-of-experts model's router load-balancing loss
+  (:meth:`~OnlineRLModule.with_router_aux`).
 
 A subclass's ``__init__`` sets what these read: ``sampling`` (its
-:class:`~lit_memtrain.models.generation.SamplingSettings`), ``num_generations``, ``steps_per_generation`` (slices
+:class:`~lit_memtrain.models.generation.SamplingSettings`), ``num_generations`` (``num_generations_eval`` in
+validation), ``reference_sync`` (a :class:`~lit_memtrain.objectives.reference_sync.ReferenceSync` or None),
+``steps_per_generation`` (slices
 the no-gradient passes go in), ``reward_functions`` (None
 when it overrides :meth:`~OnlineRLModule.score_completions`), ``generation_backend`` (an instance or None),
 ``_backend_ready``, ``_micro_steps`` and ``_reference_model`` (None), and the hyper-parameters ``beta`` (0: no
 reference), ``generation_backend``, ``generation_options``, ``gather_weights_for_generation``, ``padding_free``,
-``gradient_accumulation_steps`` and ``max_grad_norm``; and ``estimated_optimizer_steps``.
+``gradient_accumulation_steps``, ``max_grad_norm`` and ``disable_dropout``; and ``estimated_optimizer_steps``.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
+import math
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
+from dataclasses import replace
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
 from lit_memtrain.datamodules.batch import shift_targets
 from lit_memtrain.models.builder import build_training_model, load_sharded
+from lit_memtrain.models.dropout import disable_dropout as disable_dropout_in_model
+from lit_memtrain.models.dropout import dropout_probabilities
 from lit_memtrain.models.generation import BACKENDS, GenerationBackend, SamplingSettings
+from lit_memtrain.models.lm_head_fp32 import cast_lm_head_to_fp32
 from lit_memtrain.models.lora import head_weight
+from lit_memtrain.models.moe import load_balancing_loss
 from lit_memtrain.objectives.causal_lm import CausalLMModule
-from lit_memtrain.objectives.optim import optimizer_and_schedule
+from lit_memtrain.objectives.optim import optimizer_and_schedule, scale_gradients
+from lit_memtrain.objectives.policy_loss import PolicyLoss
 from lit_memtrain.objectives.reward_functions import TrainerState
 from lit_memtrain.objectives.rollout import Rollout, scoring_batch
 from lit_memtrain.parallel.fsdp import is_sharded, run_inside_forward
@@ -65,6 +79,11 @@ class OnlineRLModule(CausalLMModule):
         ...     def training_step(self, batch, batch_idx):
         ...         rollout, rewards, truncated, logged = self._generate_and_score(batch, "a batch")
     """
+
+    @property
+    def trains_on_entropy(self) -> bool:
+        """Whether the loss trains on the policy's entropy (scored with its gradient); False: logged only."""
+        return False
 
     @property
     def scoring_temperature(self) -> float:
@@ -106,6 +125,12 @@ class OnlineRLModule(CausalLMModule):
         if sharding and reference is not None and not is_sharded(reference):
             reference = load_sharded(reference, strategy.parallelize, strategy.parameter_device, strategy.root_device)
             object.__setattr__(self, "_reference_model", reference.requires_grad_(False).eval())
+        if self.hparams.disable_dropout:  # the frozen reference scores in eval mode: no dropout to disable
+            disable_dropout_in_model(self.model)
+        if self.hparams.get("cast_lm_head_to_fp32"):
+            cast_lm_head_to_fp32(self.model)
+            if self._reference_model is not None:
+                cast_lm_head_to_fp32(self._reference_model)
 
     def setup(self, stage: str) -> None:
         """Refuse context parallelism (a completion's log-probabilities need its whole sequence). Unlike
@@ -116,17 +141,24 @@ class OnlineRLModule(CausalLMModule):
                 f"{type(self).__name__} does not support context parallelism (context_parallel_size="
                 f"{context_parallel}): completions are generated and scored whole. Use FSDP2Strategy."
             )
+        sharded_options = {"sync_ref_model": self.reference_sync is not None,
+                           "cast_lm_head_to_fp32": bool(self.hparams.get("cast_lm_head_to_fp32"))}  # fmt: skip
+        refused = [name for name, given in sharded_options.items() if given]
+        if refused and hasattr(self.trainer.strategy, "parallelize"):
+            raise ValueError(f"{refused} are not supported under FSDP2 here (the synced reference's checkpoint, the "
+                             "head's own fp32 shard group): leave them False.")  # fmt: skip
 
     def on_fit_start(self) -> None:
         super().on_fit_start()
-        if self.router_aux_weight():
-            raise ValueError(
-                f"{type(self.model).__name__} has routers: {type(self).__name__} does not add the router "
-                "load-balancing loss. Set router_aux_loss_coef=0 to train it without that loss."
-            )
         if self._reference_model is not None and not is_sharded(self._reference_model):
             self._reference_model.to(self.device)
         self.generation_backend_for_run()  # a backend that cannot serve this model fails now, not mid-step
+        if dropout_probabilities(self.model):
+            rank_zero_info(
+                f"Completions are sampled without dropout (eval mode) and trained with dropout "
+                f"{dropout_probabilities(self.model)}; TRL's transformers path samples in training mode, with it. "
+                "disable_dropout=True (TRL's option) trains without dropout too."
+            )
 
     def eos_token_ids(self) -> list[int]:
         """Every token id that ends a completion: the tokenizer's end of sequence and those of the model's
@@ -137,6 +169,20 @@ class OnlineRLModule(CausalLMModule):
             if token not in ids:
                 ids.append(token)
         return ids
+
+    def optimizer_steps_for(self, micro_batches_per_batch: int) -> int:
+        """The run's optimizer steps when each training batch takes ``micro_batches_per_batch`` micro-batches:
+        ``max_steps``, else per epoch its micro-batches over ``gradient_accumulation_steps``, the epoch's last,
+        shorter window included (:meth:`_close_window_at_epoch_end`)."""
+        trainer = self.trainer
+        if trainer.max_steps > 0:
+            return trainer.max_steps
+        micro_batches = trainer.estimated_stepping_batches * micro_batches_per_batch
+        accumulation = self.hparams.gradient_accumulation_steps
+        per_epoch, epochs = trainer.num_training_batches, trainer.max_epochs  # set by estimated_stepping_batches
+        if math.isfinite(per_epoch) and epochs is not None and epochs > 0:
+            return max(1, math.ceil(per_epoch * micro_batches_per_batch / accumulation) * epochs)
+        return max(1, int(micro_batches / accumulation))
 
     def configure_optimizers(self) -> dict[str, Any]:
         """As :class:`CausalLMModule`'s, the schedule spanning the run's optimizer steps
@@ -164,16 +210,26 @@ class OnlineRLModule(CausalLMModule):
         ``model`` (the policy by default), 0 off the completion mask."""
         return self._score_completions(rollout, self.model if model is None else model, with_entropy=False)[0]
 
-    def completion_logps_and_entropies(self, rollout: Rollout) -> tuple[Tensor, Tensor]:
-        """:meth:`completion_logps` under the policy, and the entropy (nats, no gradient) of the policy's
-        distribution at each of those tokens at the sampling temperature (TRL's ``entropy``), 0 off the mask."""
-        logps, entropy = self._score_completions(rollout, self.model, with_entropy=True)
+    def completion_logps_and_entropies(self, rollout: Rollout) -> tuple[Tensor, Tensor, Tensor | None]:
+        """:meth:`completion_logps` under the policy, the entropy (nats; with its gradient where
+        :attr:`trains_on_entropy`) of the policy's distribution at each of those tokens at the sampling temperature
+        (TRL's ``entropy``), 0 off the mask, and a mixture-of-experts model's router load-balancing loss of that
+        forward (None without one, or at weight 0)."""
+        logps, entropy, router_aux = self._score_completions(rollout, self.model, with_entropy=True)
         assert entropy is not None
-        return logps, entropy
+        return logps, entropy, router_aux
+
+    def with_router_aux(self, out: PolicyLoss, router_aux: Tensor | None) -> PolicyLoss:
+        """``out`` with the router load-balancing loss added as TRL adds it: ``router_aux_loss_coef * aux``, divided
+        by ``gradient_accumulation_steps`` like the micro-batch's policy loss."""
+        if router_aux is None:
+            return out
+        weight = self.router_aux_weight() / self.hparams.gradient_accumulation_steps
+        return replace(out, loss=out.loss + weight * router_aux.to(out.loss.device), router_aux=router_aux.detach())
 
     def _score_completions(
         self, rollout: Rollout, model: nn.Module, with_entropy: bool
-    ) -> tuple[Tensor, Tensor | None]:
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
         batch, positions = scoring_batch(rollout, self.tokenizer.pad_token_id, self.hparams.padding_free)
         batch = move_data_to_device(batch, self.device)
         self.run_setup_probes(batch)  # the policy's, once: the reference shares its architecture and attention
@@ -181,24 +237,38 @@ class OnlineRLModule(CausalLMModule):
             self.throughput.count(batch, self.trainer.world_size, self.device, self.trainer.strategy.reduce)
         targets = shift_targets(batch["labels"]).flatten()
         temperature = self.scoring_temperature
+        routed = with_entropy and bool(self.router_aux_weight())  # the policy's training forward of a MoE model
         if self.hparams.loss_type == "nll":
-            logits = model(**self._model_inputs(batch)).logits.flatten(0, 1) / temperature
+            outputs = model(**self._model_inputs(batch), **({"output_router_logits": True} if routed else {}))
+            logits = outputs.logits.flatten(0, 1) / temperature
             row = token_log_probs(logits, targets)
             chunk_size = self.hparams.loss_chunk_size
-            entropy = token_entropies(logits, targets, chunk_size=chunk_size) if with_entropy else None
+            with_grad = self.trains_on_entropy and torch.is_grad_enabled()  # an entropy bonus trains on it
+            entropy = None
+            if with_entropy:
+                entropy = token_entropies(logits, targets, chunk_size=chunk_size, with_grad=with_grad)
+            router_aux = outputs.aux_loss if routed else None
         elif is_sharded(model):
-            scores = run_inside_forward(model, self._chunked_logps, model, batch, targets, temperature, with_entropy)
-            row, entropy = scores
+            scores = run_inside_forward(
+                model, self._chunked_logps, model, batch, targets, temperature, with_entropy, routed
+            )
+            row, entropy, router_aux = scores
         else:
-            row, entropy = self._chunked_logps(model, batch, targets, temperature, with_entropy)
+            row, entropy, router_aux = self._chunked_logps(model, batch, targets, temperature, with_entropy, routed)
         mask, at = rollout.completion_mask().to(row.device), positions.to(row.device)
-        return row[at] * mask, (entropy[at] * mask if with_entropy else None)
+        return row[at] * mask, (entropy[at] * mask if with_entropy else None), router_aux
 
     def _chunked_logps(
-        self, model: nn.Module, batch: dict[str, Any], targets: Tensor, temperature: float, with_entropy: bool
-    ) -> tuple[Tensor, Tensor | None]:
-        """Token log-probabilities of a batch's targets from ``model``'s final hidden states, in chunks, and (with
-        ``with_entropy``) the entropy at each.
+        self,
+        model: nn.Module,
+        batch: dict[str, Any],
+        targets: Tensor,
+        temperature: float,
+        with_entropy: bool,
+        routed: bool = False,
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """Token log-probabilities of a batch's targets from ``model``'s final hidden states, in chunks, (with
+        ``with_entropy``) the entropy at each, and (``routed``) the router load-balancing loss of the forward.
 
         TRL divides the logits by the temperature after the model's own transform (scale, soft-cap); without a
         soft-cap that is a scale of ``scale / temperature``. With one, only ``temperature == 1`` can be chunked."""
@@ -209,15 +279,19 @@ class OnlineRLModule(CausalLMModule):
                 f"{temperature}: the chunked log-probabilities cannot divide capped logits by the temperature. Use "
                 "loss_type='nll' (the model's logits) or temperature=1."
             )
-        outputs = model.get_decoder()(**self._model_inputs(batch))
+        outputs = model.get_decoder()(**self._model_inputs(batch), **({"output_router_logits": True} if routed else {}))
+        router_aux = load_balancing_loss(model, outputs.router_logits, batch.get("attention_mask")) if routed else None
         hidden = outputs.last_hidden_state.flatten(0, 1)
+        fp32_head = bool(self.hparams.get("cast_lm_head_to_fp32"))
+        hidden = hidden.float() if fp32_head else hidden
         weight, bias = head_weight(model.get_output_embeddings())
         bias = bias.to(hidden.dtype) if bias is not None else None  # a LoRA head keeps fp32 adapters on a bf16 base
         arguments = (hidden, weight.to(hidden.dtype), targets, self.hparams.loss_chunk_size, transform.softcap, bias,
                      transform.scale / temperature)  # fmt: skip
-        if with_entropy:
-            return chunked_token_log_probs_and_entropies(*arguments)
-        return chunked_token_log_probs(*arguments), None
+        with torch.autocast(hidden.device.type, enabled=False) if fp32_head else nullcontext():
+            if with_entropy:
+                return *chunked_token_log_probs_and_entropies(*arguments), router_aux
+            return chunked_token_log_probs(*arguments), None, router_aux
 
     @torch.no_grad()
     def _no_grad_logps(self, rollout: Rollout, model: nn.Module | None = None) -> Tensor:
@@ -268,7 +342,8 @@ class OnlineRLModule(CausalLMModule):
         the rank holds): the rollout, its rewards ``[N, K]``, which completions were truncated ``[N]`` and what the
         reward functions logged."""
         prompts, prompt_ids, columns = batch["prompt"], batch["prompt_ids"], batch.get("columns", {})
-        generations, backend = self.num_generations, self.generation_backend_for_run()
+        generations = self.num_generations if self.training else self.num_generations_eval
+        backend = self.generation_backend_for_run()
         completion_ids = backend.generate(self.model, prompt_ids, generations, self.device, self.trainer.global_step)
         if len(completion_ids) != len(prompt_ids) * generations:
             raise RuntimeError(
@@ -283,24 +358,44 @@ class OnlineRLModule(CausalLMModule):
         conversational = bool(prompts) and isinstance(prompts[0], list)
         completions = [[{"role": "assistant", "content": text}] for text in texts] if conversational else texts
         logged: dict[str, list[float]] = {}
+        extras: dict[str, list[Any]] = {}
         rewards = self.score_completions(
             repeat(prompts), completions, completion_ids, {name: repeat(v) for name, v in columns.items()}, where,
-            trainer_state=TrainerState(self.trainer.global_step, self.trainer.current_epoch, self.trainer.max_steps),
+            trainer_state=TrainerState.of(self.trainer),
             log_metric=lambda name, value: logged.setdefault(name, []).append(float(value)),
+            log_extra=lambda column, values: extras.setdefault(column, []).extend(values),
         )  # fmt: skip
+        self.completion_extras = extras  # what reward functions gave log_extra, last batch
         ends = {*backend.eos_token_ids, self.tokenizer.pad_token_id}
         truncated = torch.tensor([not ids or ids[-1] not in ends for ids in completion_ids])
         trained = ~truncated if self.hparams.get("mask_truncated_completions") else torch.ones_like(truncated)
-        return Rollout.of(repeat(prompt_ids), completion_ids, trained), rewards, truncated, logged
+        rollout = Rollout.of(repeat(prompt_ids), completion_ids, trained)
+        if backend.sampling_logprobs is not None:
+            rollout = rollout.with_sampling_logps(backend.sampling_logprobs)
+        return rollout, rewards, truncated, logged
 
     def _optimizer_step(self, optimizer: Any) -> None:
         if self.hparams.max_grad_norm is not None:
             self.clip_gradients(optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if self.reference_sync is not None:
+            self.reference_sync.after_step(self.model, self._reference_model, self.trainer.global_step)
         scheduler = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()
+
+    def _close_window_at_epoch_end(self, optimizer: Any, batch_idx: int) -> None:
+        """After an epoch's last batch, step on the micro-batches of a window left open, their gradients rescaled
+        to the mean over them, as the Hugging Face Trainer closes an epoch's last, shorter window (TRL divides the
+        loss by its ``current_gradient_accumulation_steps``); the next epoch starts a new window."""
+        accumulation = self.hparams.gradient_accumulation_steps
+        open_steps = self._micro_steps % accumulation
+        last = self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        if open_steps and (last or batch_idx + 1 >= self.trainer.num_training_batches):
+            scale_gradients(self.parameters(), accumulation / open_steps)
+            self._optimizer_step(optimizer)
+            self._micro_steps += accumulation - open_steps
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """A prompt batch holds no trained tokens: the step counts the batches it scores itself."""
@@ -311,10 +406,16 @@ class OnlineRLModule(CausalLMModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
         checkpoint["lit_memtrain"]["micro_steps"] = self._micro_steps
+        if self.reference_sync is not None:  # no longer the initial weights configure_model copies
+            checkpoint["lit_memtrain"]["reference"] = self._reference_model.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
         self._micro_steps = int(checkpoint.get("lit_memtrain", {}).get("micro_steps", 0))
+        if self.reference_sync is not None:
+            if "reference" not in checkpoint.get("lit_memtrain", {}):
+                raise ValueError("The checkpoint has no synced reference (saved without sync_ref_model=True).")
+            self._reference_model.load_state_dict(checkpoint["lit_memtrain"]["reference"])
 
 
 def check_generation_backend(

@@ -40,8 +40,18 @@ __all__ = [
     "instantiate",
     "optimizer_and_schedule",
     "plain_spec",
+    "scale_gradients",
     "warmup_cosine",
 ]
+
+
+@torch.no_grad()
+def scale_gradients(parameters: Iterable[torch.nn.Parameter], factor: float) -> None:
+    """Multiply every gradient of ``parameters`` by ``factor`` in place (what an accumulation window closed early
+    needs: its micro-batches' losses were divided by the full window's count, the mean wants their own)."""
+    for parameter in parameters:
+        if parameter.grad is not None:
+            parameter.grad.mul_(factor)
 
 
 def instantiate(spec: Mapping[str, Any], *args: Any) -> Any:

@@ -27,6 +27,7 @@ from torchmetrics import MaxMetric, MeanMetric, MinMetric
 
 from lit_memtrain.datamodules.batch import scored_rows
 from lit_memtrain.datamodules.preference_collate import MARGIN_COLUMN, REFERENCE_COLUMNS
+from lit_memtrain.models.dropout import disable_dropout
 from lit_memtrain.objectives.causal_lm import CausalLMModule
 from lit_memtrain.objectives.reward_loss import (
     PAIR_MEANS,
@@ -51,8 +52,8 @@ class RewardModule(CausalLMModule):
     Args:
         center_rewards_coefficient: TRL's: adds ``c * mean((r_chosen + r_rejected)^2)`` to the loss so that rewards
             stay centred on zero (TRL advises 0.01); ``None``: no such term.
-        disable_dropout: TRL's (default True): set the model's dropout probabilities to 0 (a LoRA adapter's own
-            dropout, ``lora.dropout``, is kept, as in TRL where the model's dropout is disabled before PEFT wraps it).
+        disable_dropout: TRL's (default True): set every dropout probability to 0 once the model is built, a LoRA
+            adapter's own (``lora.dropout``) included, as TRL's ``RewardTrainer`` does after PEFT wraps the model.
         **kwargs: every argument of :class:`~lit_memtrain.objectives.causal_lm.CausalLMModule` (model, preset,
             config_overrides, tokenizer, dtype, attn_implementation, lora, learning_rate, ...). ``model`` may be a
             causal LM checkpoint: its decoder is loaded under a new, randomly initialised score head. With ``lora``
@@ -109,9 +110,7 @@ class RewardModule(CausalLMModule):
     def configure_model(self) -> None:
         super().configure_model()
         if self.hparams.disable_dropout:
-            for name, module in self.model.named_modules():
-                if isinstance(module, nn.Dropout) and "lora_dropout" not in name:
-                    module.p = 0.0
+            disable_dropout(self.model)
 
     def run_setup_probes(self, batch: dict[str, Any] | None = None) -> None:
         """The probe a padding-free batch needs (packed documents stay apart, on the decoder's hidden states); a

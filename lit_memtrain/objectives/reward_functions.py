@@ -11,10 +11,13 @@ A reward function is any callable with TRL's signature::
 
 ``prompts`` and ``completions`` are strings (standard data) or lists of chat messages (conversational data: the
 completion is ``[{"role": "assistant", "content": text}]``), ``completion_ids`` the generated token ids, and the
-keyword arguments every other column of the prompt dataset (one value per completion) plus ``trainer_state`` (with
-``global_step``, ``epoch``, ``max_steps``) and ``log_metric(name, value)``. ``None`` means "not scored" (the
-completion is left out of its group's statistics); a trained reward model is one such function. A function may be
-given as an import path (``"my_rewards.accuracy"``), which is how a YAML config names it.
+keyword arguments every other column of the prompt dataset (one value per completion) plus ``trainer_state`` (the
+Hugging Face ``TrainerState`` fields :class:`TrainerState` lists), ``log_metric(name, value)`` (a scalar logged as
+``train/<name>``) and ``log_extra(column, values)`` (TRL's: one value per completion, kept for this generation batch
+in :attr:`~lit_memtrain.objectives.grpo.GRPOModule.completion_extras`; lit-memtrain has no completions table).
+``None`` means "not scored" (the completion is left out of its group's statistics); a trained reward model is one
+such function. A function may be given as an import path (``"my_rewards.accuracy"``), which is how a YAML config
+names it.
 """
 
 from __future__ import annotations
@@ -34,11 +37,36 @@ __all__ = ["RewardFunctions", "TrainerState", "resolve_reward_function"]
 
 @dataclass(frozen=True)
 class TrainerState:
-    """The fields of the Hugging Face ``TrainerState`` reward functions read to shape rewards over training."""
+    """The fields of the Hugging Face ``TrainerState`` (what TRL passes as ``trainer_state``) that reward functions
+    read to shape rewards over training, with their meanings there.
+
+    Attributes:
+        global_step: optimizer steps taken.
+        epoch: epochs done, fractional (``2.5``: halfway through the third), as the Hugging Face Trainer counts it.
+        max_steps: the optimizer steps of the run (Lightning's ``max_steps``, -1 when the run is bounded by epochs).
+        num_train_epochs: the run's epochs (Lightning's ``max_epochs``).
+        is_local_process_zero, is_world_process_zero: whether this process is the first of its machine, of all.
+    """
 
     global_step: int
-    epoch: int
+    epoch: float
     max_steps: int
+    num_train_epochs: int = 1
+    is_local_process_zero: bool = True
+    is_world_process_zero: bool = True
+
+    @classmethod
+    def of(cls, trainer: Any) -> TrainerState:
+        """A Lightning ``Trainer``'s state in these terms; ``epoch`` counts the batches of the current epoch that
+        were trained (of its ``num_training_batches``, when known)."""
+        epoch, batches = trainer.current_epoch, trainer.num_training_batches
+        if trainer.training and 0 < batches < math.inf:
+            epoch += trainer.fit_loop.epoch_loop.batch_progress.current.processed / batches
+        return cls(
+            global_step=trainer.global_step, epoch=float(epoch), max_steps=trainer.max_steps,
+            num_train_epochs=trainer.max_epochs if trainer.max_epochs is not None else -1,
+            is_local_process_zero=trainer.local_rank == 0, is_world_process_zero=trainer.global_rank == 0,
+        )  # fmt: skip
 
 
 def resolve_reward_function(spec: str | Callable[..., Any]) -> Callable[..., Any]:
@@ -129,7 +157,8 @@ class RewardFunctions:
         """``[N, K]`` float32 rewards of the ``N`` completions by the ``K`` functions, NaN where not scored.
 
         ``columns`` are the other dataset columns (one value per completion), ``extra`` further keyword arguments
-        (``trainer_state``, ``log_metric``); ``where`` names the batch in errors ("training batch 12, step 40").
+        (``trainer_state``, ``log_metric``, ``log_extra``); ``where`` names the batch in errors ("training batch 12,
+        step 40").
 
         Raises:
             RuntimeError: a function raised (chained).

@@ -29,7 +29,15 @@ from lit_memtrain.objectives.rollout import Rollout
 
 __all__ = ["RLOOModule"]
 
-_GRPO_ONLY = ("policy_loss", "scale_rewards", "use_bias_correction_kl")
+# GRPOConfig's, not RLOOConfig's (TRL 1.16): the loss variants, token controls, entropy bonus, fp32 head and vLLM
+# importance-sampling correction are GRPO's.
+_GRPO_ONLY = ("policy_loss", "scale_rewards", "use_bias_correction_kl", "importance_sampling_level", "delta",
+              "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+              "vespo_lambda_neg", "off_policy_mask_threshold", "top_entropy_quantile", "entropy_coef",
+              "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target",
+              "multi_objective_aggregation", "cast_lm_head_to_fp32", "vllm_importance_sampling_correction",
+              "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
+              "vllm_importance_sampling_clip_min")  # fmt: skip
 
 
 class RLOOModule(GRPOModule):
@@ -43,7 +51,9 @@ class RLOOModule(GRPOModule):
         reward_clip_range: clip each combined reward to ``(min, max)`` before the baseline (None: no clipping).
         **kwargs: every other argument of :class:`~lit_memtrain.objectives.grpo.GRPOModule` (sampling, epsilon,
             num_iterations, steps_per_generation, mask_truncated_completions, model and optimizer options), but
-            GRPO's ``policy_loss``, ``scale_rewards`` and ``use_bias_correction_kl``, which RLOO does not have.
+            GRPO's ``policy_loss``, ``scale_rewards``, ``use_bias_correction_kl`` and its loss variants and token
+            controls (``importance_sampling_level``, ``delta``, ``entropy_coef``, ...), which TRL's RLOO has
+            not, ``cast_lm_head_to_fp32`` and ``vllm_importance_sampling_*`` (TRL's ``RLOOConfig`` has neither).
 
     Logged: as GRPOModule, with ``kl`` the mean over completion tokens of ``logp_old - logp_ref`` (``beta != 0``)
     and the clip ratios counted per completion.
@@ -64,7 +74,10 @@ class RLOOModule(GRPOModule):
     ) -> None:
         given = [name for name in _GRPO_ONLY if name in kwargs]
         if given:
-            raise ValueError(f"{given} are GRPOModule's; RLOO has a loss and a baseline of its own. Leave them out.")
+            raise ValueError(
+                f"{given} are GRPOModule's (TRL's GRPOConfig has them, its RLOOConfig does not); RLOO has a loss and a "
+                "baseline of its own. Leave them out, or train with GRPOModule."
+            )
         if reward_clip_range is not None:
             low, high = reward_clip_range
             if not low < high:
@@ -72,6 +85,7 @@ class RLOOModule(GRPOModule):
         super().__init__(reward_funcs, num_generations=num_generations, beta=beta, **kwargs)
         for name in _GRPO_ONLY:  # GRPO's defaults, which RLOO does not read: not saved as RLOO's settings
             del self.hparams[name]
+        self.sampling_correction = None  # TRL's RLOOTrainer has no vLLM importance-sampling correction
         self.reward_clip_range = None if reward_clip_range is None else tuple(reward_clip_range)
 
     @property
@@ -99,14 +113,14 @@ class RLOOModule(GRPOModule):
 
     def slice_loss(self, part: Rollout, normalizer: Tensor | None = None) -> PolicyLoss:
         """One micro-batch's loss: a clipped ratio per completion, averaged over the micro-batch."""
-        logps, entropy = self.completion_logps_and_entropies(part)
+        logps, entropy, router_aux = self.completion_logps_and_entropies(part)
         mask = part.completion_mask().to(logps.device)
         old = None if part.old_logps is None else (part.old_logps * mask).sum(-1)
         out = rloo_policy_loss(
             logps, old, part.advantages.to(logps.device), mask, epsilon_low=self.epsilon_low,
             epsilon_high=self.epsilon_high, accumulation_steps=self.hparams.gradient_accumulation_steps,
         )  # fmt: skip
-        return replace(out, entropy=entropy)
+        return self.with_router_aux(replace(out, entropy=entropy.detach()), router_aux)
 
     def loss_normalizer(self, rollout: Rollout) -> None:
         """RLOO averages over completions: no token normalizer."""

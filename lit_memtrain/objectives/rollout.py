@@ -43,6 +43,10 @@ class Rollout:
         old_logps: ``[N, width]`` log-probabilities under the policy that sampled the completions, when the step
             trains off-policy (else None: the current ones, detached).
         ref_logps: ``[N, width]`` the reference's, when ``beta != 0``.
+        sampling_logps: ``[N, width]`` the log-probabilities the generation engine sampled with, when it reports
+            them (vLLM); NaN where it gave none.
+        sampling_ratio: the vLLM importance-sampling weights of the tokens' losses (``[N, width]``, or ``[N, 1]``
+            per sequence; :class:`~lit_memtrain.objectives.sampling_correction.SamplingCorrection`).
     """
 
     prompt_ids: list[list[int]]
@@ -52,6 +56,8 @@ class Rollout:
     advantages: Tensor | None = None
     old_logps: Tensor | None = None
     ref_logps: Tensor | None = None
+    sampling_logps: Tensor | None = None
+    sampling_ratio: Tensor | None = None
 
     @classmethod
     def of(
@@ -91,7 +97,23 @@ class Rollout:
             advantages=take(self.advantages),
             old_logps=take(self.old_logps),
             ref_logps=take(self.ref_logps),
+            sampling_logps=take(self.sampling_logps),
+            sampling_ratio=take(self.sampling_ratio),
         )
+
+    def with_sampling_logps(self, logprobs: Sequence[Sequence[float]]) -> Rollout:
+        """This rollout with the engine's per-token log-probabilities of its completions (one list per completion,
+        as long as it), laid out ``[N, width]`` (0 past a completion's end)."""
+        lengths = [len(values) for values in logprobs]
+        if lengths != [len(c) for c in self.completion_ids]:
+            raise ValueError(
+                f"The generation engine gave log-probabilities for {lengths} tokens where the completions have "
+                f"{[len(c) for c in self.completion_ids]}."
+            )
+        padded = torch.zeros(len(self), self.width)
+        for row, values in enumerate(logprobs):
+            padded[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
+        return replace(self, sampling_logps=padded)
 
     def split(self, parts: int, order: Tensor | None = None) -> list[Rollout]:
         """``parts`` slices of equal size, of the completions in ``order`` (a permutation; None: as they are)."""

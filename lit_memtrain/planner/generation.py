@@ -102,7 +102,8 @@ def grpo_training_settings(
     if not isinstance(prompt_length, int) or not isinstance(prompts, int):
         raise ValueError(
             f"{module_class.rsplit('.', 1)[-1]} is planned on {_PROMPT_DATA} batches with a max_prompt_length and a "
-            f"batch_size; got max_prompt_length={prompt_length!r}, batch_size={prompts!r}."
+            f"batch_size; got max_prompt_length={prompt_length!r}, batch_size={prompts!r}. PromptDataModule tokenizes "
+            "prompts whole by default (as TRL): set data.max_prompt_length to the longest prompt the plan must hold."
         )
     generations = 2 if pairs else int(module["num_generations"])
     slices = 1 if pairs else int(module.get("steps_per_generation") or module["gradient_accumulation_steps"])

@@ -52,7 +52,9 @@ def token_log_probs(logits: Tensor, targets: Tensor, softcap: float | None = Non
 
 class _ChunkedTokenLogProbs(torch.autograd.Function):
     """Log-probabilities of ``kept_targets`` at rows ``kept_rows`` of ``hidden``, a chunk of logits at a time, and
-    (``with_entropy``) the entropy of each of those rows' distributions, without gradient (empty otherwise)."""
+    (``with_entropy``) the entropy of each of those rows' distributions (empty otherwise). Both are differentiable;
+    backward does the entropy's share (``dH/dz = -p (log p + H)``) only when the entropy was used (online RL's
+    entropy bonus), so logging it costs no backward work."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, kept_rows, kept_targets, chunk_size, softcap, scale, with_entropy):
@@ -66,16 +68,17 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
             if with_entropy:  # -sum p log p, in place: the chunk's logits are not needed again (backward recomputes)
                 probs = logits.sub_(lse.unsqueeze(1)).exp_()
                 entropies.append(probs.xlogy_(probs).sum(1).neg_())
-        ctx.save_for_backward(hidden, weight, bias, kept_rows, kept_targets, torch.cat(lses) if lses else None)
-        ctx.chunk_size, ctx.softcap, ctx.scale = chunk_size, softcap, scale
         empty = hidden.new_zeros(0, dtype=torch.float32)
         entropy = torch.cat(entropies) if entropies else empty.clone()
-        ctx.mark_non_differentiable(entropy)
+        lse = torch.cat(lses) if lses else None
+        ctx.save_for_backward(hidden, weight, bias, kept_rows, kept_targets, lse, entropy)
+        ctx.chunk_size, ctx.softcap, ctx.scale = chunk_size, softcap, scale
+        ctx.set_materialize_grads(False)  # an unused output (the entropy, mostly) gets None: no work for it
         return torch.cat(logps) if logps else empty, entropy
 
     @staticmethod
     def backward(ctx, grad_logps: Tensor, grad_entropy: Tensor | None):
-        hidden, weight, bias, kept_rows, kept_targets, lse = ctx.saved_tensors
+        hidden, weight, bias, kept_rows, kept_targets, lse, entropy = ctx.saved_tensors
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.zeros_like(hidden) if needs_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight else None
@@ -83,12 +86,20 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
         size, softcap, scale = ctx.chunk_size, ctx.softcap, ctx.scale
         for start in range(0, kept_rows.shape[0], size):
             rows = kept_rows[start : start + size]
-            grad = grad_logps[start : start + size].float()
             hidden_rows = hidden.index_select(0, rows)
             logits = chunk_logits(hidden_rows, weight, bias, softcap, scale)
-            # d log p_t / d z = onehot(t) - softmax(z), times each row's incoming gradient.
-            grad_logits = torch.exp(logits - lse[start : start + size].unsqueeze(1)).mul_(-grad.unsqueeze(1))
-            grad_logits[torch.arange(rows.shape[0], device=rows.device), kept_targets[start : start + size]] += grad
+            probs = torch.exp(logits - lse[start : start + size].unsqueeze(1))
+            if grad_entropy is not None:  # dH/dz = -p (log p + H); xlogy: 0 where p is 0 (a -inf logit)
+                grad_h = grad_entropy[start : start + size].float().unsqueeze(1)
+                grad_logits = torch.xlogy(probs, probs).add_(probs * entropy[start : start + size].unsqueeze(1))
+                grad_logits.mul_(-grad_h)
+            else:
+                grad_logits = torch.zeros_like(probs)
+            if grad_logps is not None:  # d log p_t / d z = onehot(t) - softmax(z), times each row's gradient
+                grad = grad_logps[start : start + size].float()
+                grad_logits.sub_(probs.mul_(grad.unsqueeze(1)))
+                grad_logits[torch.arange(rows.shape[0], device=rows.device), kept_targets[start : start + size]] += grad
+            del probs
             linear_output_grad(grad_logits, logits, softcap, scale, grad_bias)
             del logits
             grad_logits = grad_logits.to(hidden.dtype)
@@ -142,8 +153,9 @@ def chunked_token_log_probs_and_entropies(
     scale: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
     """:func:`chunked_token_log_probs`, and the entropy (nats) of each kept row's distribution over the vocabulary,
-    as :func:`token_entropies` gives it, without gradient: what online RL logs of the tokens it trains (TRL's
-    ``entropy``). The entropy costs one exp and one product-sum over each chunk's logits, in place: no more memory.
+    as :func:`token_entropies` gives it: what online RL logs of the tokens it trains (TRL's ``entropy``) and, with
+    an entropy bonus, trains on (its gradient is that of the full logits' entropy). The entropy costs one exp and
+    one product-sum over each chunk's logits, in place: no more memory; its backward, only when it is used.
 
     Returns:
         [N] fp32 log-probabilities and [N] fp32 entropies, both 0 at ignored rows.
@@ -152,19 +164,29 @@ def chunked_token_log_probs_and_entropies(
 
 
 def token_entropies(
-    logits: Tensor, targets: Tensor, softcap: float | None = None, scale: float = 1.0, chunk_size: int = 1024
+    logits: Tensor,
+    targets: Tensor,
+    softcap: float | None = None,
+    scale: float = 1.0,
+    chunk_size: int = 1024,
+    with_grad: bool = False,
 ) -> Tensor:
-    """``-sum softmax(z) log softmax(z)`` per row of the transformed logits ``z`` (fp32, no gradient), 0 where the
-    target is -100: the entropy at the positions :func:`token_log_probs` scores. ``chunk_size`` rows at a time, so
-    that only a chunk's fp32 copy of the logits is made; a ``-inf`` logit adds 0, as in the chunked path."""
+    """``-sum softmax(z) log softmax(z)`` per row of the transformed logits ``z`` (fp32), 0 where the target is
+    -100: the entropy at the positions :func:`token_log_probs` scores. ``chunk_size`` rows at a time, so that only
+    a chunk's fp32 copy of the logits is made; a ``-inf`` logit adds 0, as in the chunked path. Without gradient
+    unless ``with_grad`` (an entropy bonus trains on it: each chunk's probabilities are then kept for backward)."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be 2-D [N, V], got shape {tuple(logits.shape)}. Flatten batch and sequence.")
     validate_targets(targets, logits.shape[0])
     validate_logit_transform(softcap, scale)
     entropies = []
-    with torch.no_grad():
+    with contextlib.nullcontext() if with_grad else torch.no_grad():
         for rows in logits.split(chunk_size):
             chunk = transform_logits(rows.float(), softcap, scale)
+            if with_grad:  # clamped: a -inf logit gives 0 * finite, with a gradient of 0 rather than NaN
+                log_probs = torch.log_softmax(chunk, dim=1).clamp(min=torch.finfo(torch.float32).min)
+                entropies.append(-(log_probs.exp() * log_probs).sum(1))
+                continue
             probs = (chunk - torch.logsumexp(chunk, dim=1, keepdim=True)).exp_()
             entropies.append(probs.xlogy_(probs).sum(1).neg_())
     entropy = torch.cat(entropies) if entropies else logits.new_zeros(0, dtype=torch.float32)

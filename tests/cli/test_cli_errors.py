@@ -78,6 +78,16 @@ def test_a_mistyped_argument_of_a_class_a_config_names_gets_a_suggestion(tmp_pat
     )
 
 
+def test_a_trl_field_grpo_does_not_take_gets_its_reason_not_a_suggestion(capsys):
+    grpo = str(ROOT / "configs" / "grpo.yaml")
+    error = one_line_error(["fit", "--config", grpo, "--model.per_device_train_batch_size=8"], capsys)
+    assert error == (
+        "lit-memtrain fit: error: model: GRPOModule has no per_device_train_batch_size (a TrainingArguments field of "
+        "GRPOConfig and RLOOConfig of TRL 1.16): use PromptDataModule(batch_size=...) (counts prompts (each rank "
+        "draws num_generations completions of each): TRL's counts completions)."
+    )
+
+
 def test_a_missing_local_dataset_is_named_as_a_missing_file(fit, tmp_path, capsys):
     error = one_line_error([*fit, "--data.dataset", "my_chats.jsonl"], capsys)
     assert error == (

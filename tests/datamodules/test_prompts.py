@@ -3,6 +3,7 @@ columns kept for the reward functions, prompts cut to max_prompt_length and coun
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import random
@@ -101,3 +102,58 @@ def test_bad_data_is_refused_with_where_it_is(tmp_path):
         PromptDataModule(max_prompt_length=0)
     with pytest.raises(ValueError, match="prompt_truncation"):
         PromptDataModule(prompt_truncation="middle")
+
+
+def test_prompts_are_tokenized_whole_by_default_as_trl(tokenizer):
+    """TRL 1.16's GRPOTrainer has no prompt cut: a prompt of more than the old 512-token default is kept whole."""
+    long_prompt = "What is 12 + 34? " * 120
+    full = tokenizer(text=long_prompt)["input_ids"]
+    datamodule = PromptDataModule(dataset=datasets.Dataset.from_list([{"prompt": long_prompt}]), batch_size=1)
+    datamodule.setup("fit")
+    assert len(full) > 512 and next(iter(datamodule.train_dataloader()))["prompt_ids"] == [full]
+    assert datamodule.prompt_counts["train"].truncated_prompts == 0
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_an_epochs_incomplete_batch_is_dropped_as_trls_sampler_drops_it(drop_last):
+    from trl.trainer.grpo_trainer import RepeatSampler
+
+    data = datasets.Dataset.from_list([{"prompt": f"question {i}", "index": i} for i in range(7)])
+    datamodule = PromptDataModule(dataset=data, batch_size=3, drop_last=drop_last)
+    datamodule.setup("fit")
+    batches = [batch["columns"]["index"] for batch in datamodule.train_dataloader()]
+    trl = list(RepeatSampler(range(7), mini_repeat_count=1, batch_size=3, repeat_count=1, shuffle=True, seed=0))
+    if drop_last:  # TRL's: the whole batches only, each prompt once
+        assert [len(b) for b in batches] == [3, 3] and len(trl) == 6 and len({i for b in batches for i in b}) == 6
+    else:
+        assert [len(b) for b in batches] == [3, 3, 1] and sorted(i for b in batches for i in b) == list(range(7))
+    with pytest.raises(ValueError, match=r"has 2 prompts, fewer than one whole batch \(batch_size=3 x 1 ranks\)"):
+        small = PromptDataModule(dataset=data.select(range(2)), batch_size=3)
+        small.setup("fit")
+        small.train_dataloader()
+
+
+def test_chat_template_kwargs_render_prompts_as_trls_grpo_trainer(tokenizer, tmp_path):
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    from lit_memtrain.models.presets import build_config
+
+    thinking = copy.deepcopy(tokenizer)  # a Qwen3-style switch after the generation prompt
+    thinking.chat_template += "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+    thinking.save_pretrained(tmp_path / "thinking")
+    options = {"enable_thinking": False}
+    _, batch = _loaded(_conversational(), tokenizer=str(tmp_path / "thinking"), chat_template_kwargs=options)
+    model = AutoModelForCausalLM.from_config(build_config("tiny-qwen3", {"hidden_size": 16, "intermediate_size": 32,
+        "num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 16}))  # fmt: skip
+    config = GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, report_to=[], chat_template_kwargs=options,
+                        per_device_train_batch_size=2, num_generations=2)  # fmt: skip
+    trl = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=config,
+                      train_dataset=_conversational(), processing_class=thinking)  # fmt: skip
+    theirs, _, _ = trl._tokenize_prompts([[{"role": "user", "content": q}] for q in QUESTIONS])
+    plain = [thinking.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                          return_dict=True)["input_ids"] for q in QUESTIONS]  # fmt: skip
+    assert all(isinstance(ids[0], int) for ids in plain)
+    assert sorted(map(tuple, batch["prompt_ids"])) == sorted(map(tuple, theirs)) != sorted(map(tuple, plain))
+    with pytest.raises(TypeError, match="chat_template_kwargs must be a dict"):
+        PromptDataModule(chat_template_kwargs="enable_thinking=False")

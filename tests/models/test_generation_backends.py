@@ -48,7 +48,7 @@ SAMPLING_FIELDS = {"n", "presence_penalty", "frequency_penalty", "repetition_pen
                    "prompt_logprobs", "detokenize", "skip_special_tokens"}
 LLM_ARGUMENTS = {"model", "load_format", "skip_tokenizer_init", "tensor_parallel_size", "distributed_executor_backend",
                  "enable_sleep_mode", "seed", "max_num_batched_tokens", "gpu_memory_utilization", "max_model_len",
-                 "max_num_seqs", "dtype", "enforce_eager"}
+                 "max_num_seqs", "dtype", "enforce_eager", "logprobs_mode"}
 
 
 def _greedy(model, prompts, params) -> list[list[int]]:
@@ -57,6 +57,17 @@ def _greedy(model, prompts, params) -> list[list[int]]:
                                 repetition_penalty=params["repetition_penalty"])
     backend = TransformersGenerate(settings, params["stop_token_ids"], 0)
     return [c for ids in prompts for c in backend.generate(model, [ids], params["n"], CPU, 0)]
+
+
+def _sampled_logprobs(model, prompts, n, completions) -> list[list[float]]:
+    """The log-probability the engine reports for each completion token (``logprobs=0``): its model's."""
+    values = []
+    for index, completion in enumerate(completions):
+        prompt = prompts[index // n]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
+        values.append(logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])[:, 0].tolist())
+    return values
 
 
 class FakeEngine:
@@ -128,8 +139,15 @@ def fake_vllm_module(calls: list) -> types.ModuleType:
             ids = [p["prompt_token_ids"] for p in prompts]
             flat = _greedy(self.engine.model, ids, params)
             n = params["n"]
-            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(index=i, token_ids=flat[p * n + i])
-                                                   for i in reversed(range(n))]) for p in range(len(ids))]
+            assert sampling_params.kwargs["logprobs"] == 0  # the sampled tokens' only
+            logprobs = _sampled_logprobs(self.engine.model, ids, n, flat)
+
+            def sample(k: int):
+                entries = [{token: types.SimpleNamespace(logprob=value)} for token, value in zip(flat[k], logprobs[k])]
+                return types.SimpleNamespace(index=k % n, token_ids=flat[k], logprobs=entries)
+
+            return [types.SimpleNamespace(outputs=[sample(p * n + i) for i in reversed(range(n))])
+                    for p in range(len(ids))]
 
     module.LLM, module.SamplingParams = LLM, SamplingParams
     return module
@@ -155,6 +173,21 @@ def model():
 
 
 # --------------------------------------------------------------------------------------------- sampling, one meaning
+
+
+def test_generation_kwargs_reach_every_backend_but_not_what_the_settings_own(model):
+    """TRL's generation_kwargs: passed on as they are (here suppress_tokens, which changes the greedy completion)."""
+    from dataclasses import replace
+
+    greedy = SamplingSettings(max_completion_length=4, do_sample=False)
+    plain = TransformersGenerate(greedy, [2], 0).generate(model, [[5, 6, 7]], 1, CPU, 0)[0]
+    suppressed = replace(greedy, generation_kwargs={"suppress_tokens": [plain[0]]})
+    assert plain[0] not in TransformersGenerate(suppressed, [2], 0).generate(model, [[5, 6, 7]], 1, CPU, 0)[0]
+    assert TransformersContinuousBatching(suppressed, [2], 0).generation_config(1).suppress_tokens == [plain[0]]
+    penalized = replace(greedy, generation_kwargs={"presence_penalty": 0.5})
+    assert vllm_sampling_params(penalized, [2], 1) == {**vllm_sampling_params(greedy, [2], 1), "presence_penalty": 0.5}
+    with pytest.raises(ValueError, match=r"generation_kwargs may not set \['max_tokens', 'temperature'\]"):
+        SamplingSettings(generation_kwargs={"temperature": 0.5, "max_tokens": 3})
 
 
 def test_sampling_settings_mean_the_same_on_every_backend():
@@ -267,7 +300,9 @@ def test_colocate_sleeps_between_generations_and_syncs_weights_before_each(fake_
     assert first == ["wake_up"] + ["load_weights"] * len(names) + ["reset_prefix_cache", "wake_up", "generate", "sleep"]
     assert fake_vllm[2] == ("wake_up", ("weights",)) and fake_vllm[-3] == ("wake_up", ("kv_cache",))
     assert [c[1][0] for c in fake_vllm if c[0] == "load_weights"] == names
-    assert fake_vllm[-2][1] == {**vllm_sampling_params(settings, [2], 1), "detokenize": False}
+    assert fake_vllm[-2][1] == {**vllm_sampling_params(settings, [2], 1), "detokenize": False, "logprobs": 0}
+    sent = [[5, 6, 7], [5, 6, 7], [9], [9]]  # greedy: each prompt num_generations times, n = 1
+    assert backend.sampling_logprobs == _sampled_logprobs(model, sent, 1, expected)  # the engine holds its weights
     fake_vllm.clear()  # level 2 dropped the weights: the next generation sends them again, same version or not
     assert backend.generate(model, [[5, 6, 7], [9]], 2, CPU, 0) == expected
     assert sum(c[0] == "load_weights" for c in fake_vllm) == len(names)
@@ -312,6 +347,7 @@ class FakeServer:
         self.engine = FakeEngine(directory)
         self.requests: list[tuple[str, dict | None]] = []
         self.arrivals: queue.Queue = queue.Queue()
+        self.logprobs_mode = "processed_logprobs"  # what TRL's vllm-serve starts it with
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -328,8 +364,10 @@ class FakeServer:
 
             def do_GET(self) -> None:
                 fake.requests.append((self.path, None))
+                config = {"weight_transfer_config": {"backend": "nccl"},
+                          "model_config": {"logprobs_mode": fake.logprobs_mode}}
                 answers = {"/health": {}, "/v1/models": {"data": [{"id": "served"}]}, "/get_world_size": {"world_size": 1},
-                           "/server_info?config_format=json": {"vllm_config": {"weight_transfer_config": {"backend": "nccl"}}}}
+                           "/server_info?config_format=json": {"vllm_config": config}}
                 self._answer(answers[self.path])
 
             def do_POST(self) -> None:
@@ -345,8 +383,12 @@ class FakeServer:
                 if self.path == "/v1/completions":
                     params = {k: body[k] for k in ("n", "max_tokens", "repetition_penalty", "stop_token_ids")}
                     flat = _greedy(fake.engine.model, body["prompt"], params)
+                    logprobs = _sampled_logprobs(fake.engine.model, body["prompt"], body["n"], flat)
+                    assert body["logprobs"] == 0
                     order = reversed(range(len(flat)))  # answered out of order: the client sorts by index
-                    return self._answer({"choices": [{"index": i, "token_ids": flat[i]} for i in order]})
+                    return self._answer({"choices": [{"index": i, "token_ids": flat[i], "logprobs": {
+                        "tokens": [str(t) for t in flat[i]], "token_logprobs": logprobs[i], "top_logprobs": None}}
+                        for i in order]})  # fmt: skip
                 self._answer({})
 
         self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -388,7 +430,8 @@ def test_server_pushes_weights_when_they_change_and_asks_with_the_same_sampling(
     assert paths[6:] == push + ["/v1/completions"] * 2 + push + ["/v1/completions"]
     completion = next(body for path, body in fake_server.requests if path == "/v1/completions")
     assert completion == {"model": "served", "prompt": [[5, 6, 7]] * 2 + [[9]] * 2, "return_token_ids": True,
-                          **vllm_sampling_params(settings, [2], 1)}
+                          "logprobs": 0, **vllm_sampling_params(settings, [2], 1)}
+    assert backend.sampling_logprobs == _sampled_logprobs(model, completion["prompt"], 1, expected)
     info = next(body for path, body in fake_server.requests if path == "nccl-open")
     assert info == {"master_address": "127.0.0.1", "master_port": 51216, "rank_offset": 1, "world_size": 2,
                          "packed": True}
@@ -399,6 +442,16 @@ def test_an_unreachable_server_names_the_command_that_starts_it(fake_vllm, model
     with pytest.raises(ConnectionError, match=r"No vLLM server answered at http://127.0.0.1:9 .* VLLM_SERVER_DEV_MODE=1 "
                                               r"vllm serve <model> --weight-transfer-config"):
         backend.setup(model)
+
+
+def test_a_server_reporting_raw_log_probabilities_is_warned_of_as_trl_warns(fake_server, model, recwarn):
+    fake_server.logprobs_mode = "raw_logprobs"
+    VLLMServer(SamplingSettings(), [2], 0, base_url=fake_server.url, connection_timeout=5).setup(model)
+    assert [str(w.message) for w in recwarn if "logprobs-mode" in str(w.message)] == [
+        f"The vLLM server at {fake_server.url} runs with --logprobs-mode raw_logprobs: the log-probabilities it "
+        "reports are not those it sampled with, which biases the importance-sampling correction. Restart it with "
+        "--logprobs-mode processed_logprobs, or set vllm_importance_sampling_correction=False."
+    ]
 
 
 # --------------------------------------------------------------------------------------------- through GRPO fits

@@ -1,7 +1,8 @@
 """GRPOModule under FSDP2Strategy (CPU, gloo, 2 forked processes) against one process on the same prompts: the
 completions Hugging Face ``generate`` draws from the sharded model (gathered whole, or layer by layer), the first
 step's gradients, the weights after two steps and the logged entropy; with a DAPO loss normalised over both ranks'
-tokens, a frozen reference sharded like the policy, and a LoRA policy whose reference is its base model."""
+tokens, a frozen reference sharded like the policy, a LoRA policy whose reference is its base model, and GSPO with
+the high-entropy token mask taken over both ranks' tokens."""
 
 from __future__ import annotations
 
@@ -35,6 +36,11 @@ VARIANTS = {  # each generation mode, each reference, DAPO's token count over bo
     "gathered-dapo-frozen-reference": {"gather_weights_for_generation": True, "policy_loss": "dapo", "beta": 0.1},
     "layer-by-layer-grpo-lora-reference": {"gather_weights_for_generation": False, "policy_loss": "grpo", "beta": 0.1,
                                            "lora": LoraSettings(r=4, alpha=8)},
+    # The high-entropy mask's quantile over both ranks' tokens (as one process's), the adaptive entropy controller's
+    # reduction over ranks (its bonus 0: entropy_target 0 is never reached), one weight per completion (GSPO).
+    "gathered-gspo-top-entropy-adaptive": {"gather_weights_for_generation": True, "policy_loss": "grpo",
+                                           "importance_sampling_level": "sequence", "top_entropy_quantile": 0.5,
+                                           "use_adaptive_entropy": True, "entropy_coef": 0.0, "entropy_target": 0.0},
 }
 
 

@@ -135,3 +135,20 @@ def test_rloo_loss_has_one_ratio_per_completion():
     assert out.high_clipped.tolist() == [True, False]
     out.loss.backward()
     torch.testing.assert_close(logps.grad, torch.tensor([[0.0, 0.0], [0.5, 0.0]]))  # none through the clipped one
+
+
+def test_every_rank_values_cuts_each_ranks_padding_off():
+    """The high-entropy mask's quantile is over every rank's tokens, which differ in number: the gather pads to the
+    longest and keeps each rank's own count (a fake all_gather for rank 0 of 2, the other holding 3 values)."""
+    from lit_memtrain.objectives.ragged_gather import every_rank_values
+
+    mine, other = torch.tensor([0.5, 2.0]), torch.tensor([1.0, 3.0, 4.0])
+
+    def all_gather(tensor):
+        if tensor.dim() == 0:
+            return torch.tensor([mine.numel(), other.numel()])
+        assert tensor.numel() == 3 and tensor[: mine.numel()].equal(mine)  # padded to the longest
+        return torch.stack([tensor, other])
+
+    assert every_rank_values(mine, all_gather, 2).tolist() == [0.5, 2.0, 1.0, 3.0, 4.0]
+    assert every_rank_values(mine, all_gather, 1) is mine

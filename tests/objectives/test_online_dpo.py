@@ -9,10 +9,11 @@ import pytest
 import torch
 from equivalence import TINY_MODEL_TERMS, assert_each_equal_up_to_rounding, assert_equal_up_to_rounding
 from lightning.pytorch import Callback, Trainer
-from tiny_models import save_tiny_causal_lm
+from tiny_models import TINY_OVERRIDES, save_tiny_causal_lm
 
 from lit_memtrain.datamodules.prompts import PromptDataModule
 from lit_memtrain.models.lora import LoraSettings
+from lit_memtrain.models.presets import build_config
 from lit_memtrain.objectives.online_dpo import OnlineDPOModule
 from lit_memtrain.objectives.rollout import Rollout
 
@@ -184,3 +185,42 @@ def test_validation_logs_the_penalised_scores_over_the_validation_prompts(saved_
         trainer.fit(module, datamodule=PromptDataModule(dataset=_prompts(), batch_size=2, val_size=2, seed=0))
     assert float(trainer.callback_metrics["val/objective/scores"]) == 1.0 - 2.0
     assert float(trainer.callback_metrics["val/contain_eos_token"]) == 0.0
+
+
+def test_grpo_options_trls_online_dpo_config_lacks_are_refused(saved_model):
+    for name, value in [("cast_lm_head_to_fp32", True), ("sync_ref_model", True), ("num_generations_eval", 2),
+                        ("generation_batch_size", 4), ("vllm_importance_sampling_correction", False)]:
+        with pytest.raises(ValueError, match=rf"\['{name}'\] are GRPOModule's .*OnlineDPOConfig does not"):
+            _module(saved_model, **{name: value})
+
+
+def test_dropout_is_disabled_by_default_as_trls_online_dpo_config_and_generation_kwargs_reach_sampling(saved_model):
+    lora = LoraSettings(r=2, alpha=4, dropout=0.3)
+    for disable_dropout, expected in [(True, {0.0}), (False, {0.3})]:
+        module = _attach_trainer(_module(saved_model, lora=lora, disable_dropout=disable_dropout))
+        assert {m.p for m in module.model.modules() if isinstance(m, torch.nn.Dropout)} == expected
+    assert _module(saved_model, generation_kwargs={"no_repeat_ngram_size": 2}).sampling.generation_kwargs == {
+        "no_repeat_ngram_size": 2
+    }
+
+
+def test_an_epochs_last_shorter_accumulation_window_steps_and_the_schedule_counts_it(saved_model):
+    """3 batches an epoch, gradient_accumulation_steps=2: windows {0, 1} and {2} of each epoch, as the Hugging Face
+    Trainer steps at an epoch's end."""
+    module = _module(saved_model, gradient_accumulation_steps=2)
+    trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, max_epochs=2)
+    trainer.fit(module, datamodule=PromptDataModule(dataset=_prompts(3), batch_size=1, seed=0))
+    assert trainer.global_step == 4
+    assert module.estimated_optimizer_steps() == 4
+
+
+def test_a_mixture_of_experts_model_is_refused_at_fit_start_as_trl_adds_no_router_loss(tmp_path, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    moe = {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+           "router_aux_loss_coef": 0.5}
+    config = build_config("tiny-qwen3", {**TINY_OVERRIDES, **moe, "vocab_size": len(tokenizer)})
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"has routers: OnlineDPOModule does not add .*router_aux_loss_coef=0"):
+        _fit(_module(str(tmp_path)), max_steps=1)

@@ -306,3 +306,33 @@ def test_packed_documents_are_probed_apart_on_the_decoders_hidden_states():
     module.model.set_attn_implementation("isolating_for_test")
     module.pair_loss(batch)[0].backward()
     assert module.setup_probes.isolating_attention == "isolating_for_test"
+
+
+@pytest.mark.parametrize("disable_dropout", [True, False])
+def test_disable_dropout_zeroes_every_dropout_the_lora_adapters_too_as_trls_reward_trainer(disable_dropout):
+    """TRL's RewardTrainer disables dropout after PEFT wraps the model: the adapter's dropout is zeroed too, so a
+    training-mode forward is deterministic."""
+    seen = {}
+
+    class TrainModeForwards(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            with torch.no_grad():
+                seen["forwards"] = [pl_module.sequence_rewards(batch) for _ in range(2)]
+            seen["training"] = pl_module.training
+            seen["p"] = {m.p for m in pl_module.model.modules() if isinstance(m, torch.nn.Dropout)}
+
+    module = _module(lora=LoraSettings(r=4, alpha=8, dropout=0.5), disable_dropout=disable_dropout)
+    with torch.no_grad():  # B starts at 0, which hides what the dropout before A does
+        for name, parameter in module.model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_()
+    datamodule = PreferenceDataModule(dataset=_pairs("conversational"), batch_size=2, long_pairs="drop")
+    trainer = Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False, callbacks=[
+        TrainModeForwards()], enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(module, datamodule=datamodule)
+    first, second = seen["forwards"]
+    assert seen["training"]
+    if disable_dropout:
+        assert seen["p"] == {0.0} and torch.equal(first, second)
+    else:
+        assert 0.5 in seen["p"] and not torch.equal(first, second)

@@ -69,7 +69,8 @@ def test_memory_plan_check_plans_a_grpo_fit_with_its_generation_phase():
     trainer = Trainer(max_steps=0, accelerator="cpu", logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, callbacks=[check])
     prompts = datasets.Dataset.from_list([{"prompt": f"{i} plus {i}"} for i in range(4)])
-    trainer.fit(module, datamodule=PromptDataModule(dataset=prompts, batch_size=64, max_prompt_length=512))
+    trainer.fit(module, datamodule=PromptDataModule(dataset=prompts, batch_size=64, max_prompt_length=512,
+                                                    drop_last=False))  # 4 prompts: a batch of 64 plans, trains none
     assert check.plan["phase"] == "generation (transformers)" and check.plan["fits"]
     kv_cache = 128 * 1536 * (2 * 2 * 16 * 4) * 3  # fp32 (32-true), 2 layers and one more
     assert any(f"kv_cache {kv_cache / 2**30:,.2f} GiB" in note for note in check.plan["notes"])

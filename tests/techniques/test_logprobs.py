@@ -64,7 +64,7 @@ def test_chunked_entropies_equal_those_of_the_full_logits_and_leave_the_log_prob
     by_definition = torch.distributions.Categorical(logits=transformed).entropy().detach()
     kept = targets != -100
     assert_equal_up_to_rounding(entropies[kept], by_definition[kept], name="entropies", terms=TERMS)
-    assert (entropies[~kept] == 0).all() and not entropies.requires_grad
+    assert (entropies[~kept] == 0).all()
 
 
 def test_a_token_the_logits_rule_out_adds_no_entropy_on_either_path():
@@ -111,3 +111,36 @@ def test_bad_inputs_are_refused():
         chunked_token_log_probs(h, w.double(), targets)
     with pytest.raises(ValueError, match="chunk_size"):
         chunked_token_log_probs(h, w, targets, 0)
+
+
+@pytest.mark.parametrize(("softcap", "scale", "bias"), [(None, 1.0, False), (3.0, 0.5, True)])
+def test_the_entropy_trains_with_the_gradient_of_the_full_logits_entropy(softcap, scale, bias):
+    """An entropy bonus backpropagates through the entropies (chunked and plain), with the log-probabilities' share
+    added: both equal autograd through the full logits' entropy."""
+    h, w, b, targets = _inputs(bias)
+    leaves = [t for t in (h, w, b) if t is not None]
+    weights, entropy_weights = torch.randn(h.shape[0]), torch.randn(h.shape[0])
+    scaled = F.linear(h, w, b) * scale
+    transformed = scaled if softcap is None else torch.tanh(scaled / softcap) * softcap
+    kept = (targets != -100).float()
+    by_definition = torch.distributions.Categorical(logits=transformed).entropy() * kept
+    reference = token_log_probs(F.linear(h, w, b), targets, softcap, scale)
+    both = (reference * weights + by_definition * entropy_weights).sum()
+    expected = torch.autograd.grad(both, leaves, retain_graph=True)
+    logps, entropies = chunked_token_log_probs_and_entropies(h, w, targets, 5, softcap, b, scale)
+    chunked = torch.autograd.grad((logps * weights + entropies * entropy_weights).sum(), leaves)
+    plain = token_entropies(F.linear(h, w, b), targets, softcap, scale, chunk_size=5, with_grad=True)
+    only_entropy = torch.autograd.grad((by_definition * entropy_weights).sum(), leaves, retain_graph=True)
+    plain_grads = torch.autograd.grad((plain * entropy_weights).sum(), leaves)
+    for name, got, want in [*zip("hwb", chunked, expected), *zip("hwb", plain_grads, only_entropy)]:
+        assert_equal_up_to_rounding(got, want, name=name, terms=TERMS)
+
+
+def test_the_entropy_gradient_of_a_banned_token_is_zero_not_nan():
+    h, w, _, targets = _inputs(False, rows=6, vocab=4)
+    banned = torch.tensor([0.0, 0.0, 0.0, -float("inf")])
+    _, chunked = chunked_token_log_probs_and_entropies(h, w, targets, 4, bias=banned)
+    plain = token_entropies(F.linear(h, w, banned), targets, with_grad=True)
+    for entropy in (chunked, plain):
+        (grad,) = torch.autograd.grad(entropy.sum(), [h])
+        assert torch.isfinite(grad).all() and grad.abs().sum() > 0

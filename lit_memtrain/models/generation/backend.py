@@ -66,6 +66,13 @@ class GenerationBackend(ABC):
         pad_token_id: the id prompts are padded with where a backend pads.
     """
 
+    sampling_logprobs: list[list[float]] | None = None
+    """Per-token log-probabilities of the last :meth:`generate`'s completions under the engine that sampled them
+    (one list per completion, as long as it; NaN where the engine gave none), or None: the backend does not report
+    them (the ``transformers`` backends sample with the trained weights themselves). The vLLM backends report them
+    (vLLM's processed log-probabilities: after temperature and the logit processors), for TRL's vLLM
+    importance-sampling correction."""
+
     def __init__(self, sampling: SamplingSettings, eos_token_ids: Sequence[int], pad_token_id: int) -> None:
         if not eos_token_ids:
             raise ValueError("A generation backend needs at least one end-of-sequence token id (eos_token_ids).")

@@ -9,8 +9,18 @@ computed at the same ``temperature`` the completions were sampled at. The names 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["SamplingSettings"]
+__all__ = ["OWNED_GENERATION_ARGUMENTS", "SamplingSettings"]
+
+OWNED_GENERATION_ARGUMENTS = frozenset({
+    "max_new_tokens", "max_length", "max_tokens", "do_sample", "temperature", "top_p", "top_k", "min_p",
+    "repetition_penalty", "eos_token_id", "pad_token_id", "stop_token_ids", "ignore_eos", "n", "num_return_sequences",
+    "use_cache", "logprobs", "detokenize",
+})  # fmt: skip
+"""Arguments of ``generate`` / ``GenerationConfig`` and vLLM's ``SamplingParams`` that the settings (or the backend)
+set themselves: ``generation_kwargs`` may not set them, so that the loss scores at the settings completions are
+drawn with."""
 
 
 @dataclass(frozen=True)
@@ -27,6 +37,10 @@ class SamplingSettings:
         min_p: drop tokens less likely than ``min_p`` times the most likely one (None: off).
         repetition_penalty: > 1 discourages tokens already in the prompt or completion (1.0: off).
         do_sample: False decodes greedily (deterministic completions, for tests and evaluation).
+        generation_kwargs: TRL's: further arguments of the backend's sampling, passed as they are (``GenerationConfig``
+            fields for the ``transformers`` backends, ``SamplingParams`` fields for vLLM, e.g.
+            ``{"suppress_tokens": [...]}`` or ``{"presence_penalty": 0.5}``); not those the other settings own
+            (:data:`OWNED_GENERATION_ARGUMENTS`).
 
     Raises:
         ValueError: a value outside its range, naming it.
@@ -39,6 +53,7 @@ class SamplingSettings:
     min_p: float | None = None
     repetition_penalty: float = 1.0
     do_sample: bool = True
+    generation_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_completion_length, bool) or not isinstance(self.max_completion_length, int):
@@ -60,3 +75,12 @@ class SamplingSettings:
             raise ValueError(f"repetition_penalty must be > 0 (1.0: off), got {self.repetition_penalty}.")
         if not isinstance(self.do_sample, bool):
             raise TypeError(f"do_sample must be True or False, got {self.do_sample!r}.")
+        if self.generation_kwargs is not None and not isinstance(self.generation_kwargs, dict):
+            raise TypeError(f"generation_kwargs must be a dict of sampling arguments, got {self.generation_kwargs!r}.")
+        owned = sorted(OWNED_GENERATION_ARGUMENTS.intersection(self.generation_kwargs or {}))
+        if owned:
+            raise ValueError(
+                f"generation_kwargs may not set {owned}: the module's own options set them (max_completion_length, "
+                "temperature, top_p, top_k, min_p, repetition_penalty, do_sample), and the loss scores completions at "
+                "those settings. Set the options instead."
+            )

@@ -110,6 +110,7 @@ class TransformersContinuousBatching(GenerationBackend):
             max_new_tokens=s.max_completion_length, do_sample=s.do_sample, num_return_sequences=num_return_sequences,
             eos_token_id=list(self.eos_token_ids), pad_token_id=self.pad_token_id, repetition_penalty=1.0,
             **(sampled if s.do_sample else {"temperature": None, "top_p": None, "top_k": None, "min_p": None}),
+            **(s.generation_kwargs or {}),
         )  # fmt: skip
 
     def cache_config(self, prompt_ids: Sequence[Sequence[int]], completions: int):  # noqa: ANN201

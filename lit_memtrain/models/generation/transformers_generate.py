@@ -68,7 +68,7 @@ class TransformersGenerate(GenerationBackend):
             kwargs.update(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p)
         else:  # greedy: the sampling filters would only draw warnings from generate
             kwargs.update(temperature=None, top_p=None, top_k=None, min_p=None)
-        return kwargs
+        return kwargs | (s.generation_kwargs or {})
 
     def generate(
         self,

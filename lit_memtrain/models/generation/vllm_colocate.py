@@ -159,6 +159,7 @@ class VLLMColocate(GenerationBackend):
             model=engine_config_directory(model, self._config_directory.name), load_format="dummy",
             skip_tokenizer_init=True, tensor_parallel_size=1, distributed_executor_backend="external_launcher",
             enable_sleep_mode=self.sleep_level is not None, seed=self.seed + rank,
+            logprobs_mode="processed_logprobs",  # after temperature and the logit processors, as the trainer's
             max_num_batched_tokens=_MAX_NUM_BATCHED_TOKENS, **self.options,
         )  # fmt: skip
         if self.sleep_level is not None:
@@ -179,7 +180,8 @@ class VLLMColocate(GenerationBackend):
             return []
         self.setup(model)
         prompts, n = vllm_requests(prompt_ids, num_generations, self.sampling)
-        params = SamplingParams(**vllm_sampling_params(self.sampling, self.eos_token_ids, n), detokenize=False)
+        params = SamplingParams(**vllm_sampling_params(self.sampling, self.eos_token_ids, n), detokenize=False,
+                                logprobs=0)  # the sampled tokens' log-probabilities (sampling_logprobs)  # fmt: skip
         self._load_weights(model, device, weights_version)
         if self.sleep_level is not None:
             self.llm.wake_up(tags=["kv_cache"])
@@ -189,11 +191,16 @@ class VLLMColocate(GenerationBackend):
             if self.sleep_level is not None:
                 self.llm.sleep(level=self.sleep_level)
                 self._weights_dropped = self.sleep_level == 2
-        completions = [list(o.token_ids) for output in outputs for o in sorted(output.outputs, key=lambda o: o.index)]
-        return checked_completions(
-            completions, len(prompt_ids) * num_generations, self.eos_token_ids, self.sampling.max_completion_length,
-            "vLLM (colocate)",
+        samples = [o for output in outputs for o in sorted(output.outputs, key=lambda o: o.index)]
+        completions = checked_completions(
+            [list(o.token_ids) for o in samples], len(prompt_ids) * num_generations, self.eos_token_ids,
+            self.sampling.max_completion_length, "vLLM (colocate)",
         )  # fmt: skip
+        self.sampling_logprobs = [
+            [entries[token].logprob for token, entries in zip(kept, sample.logprobs)]
+            for kept, sample in zip(completions, samples)
+        ]
+        return completions
 
     def _load_weights(self, model: nn.Module, device: torch.device, weights_version: int) -> None:
         """Wake the engine's weights and send the trained ones if they changed or were dropped while asleep."""

@@ -92,7 +92,7 @@ def vllm_sampling_params(sampling: SamplingSettings, eos_token_ids: Sequence[int
                       min_p=0.0 if sampling.min_p is None else sampling.min_p)  # fmt: skip
     else:
         params.update(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0)
-    return params
+    return params | (sampling.generation_kwargs or {})
 
 
 def vllm_requests(

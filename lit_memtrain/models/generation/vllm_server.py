@@ -2,10 +2,11 @@
 
 Why: a server on GPUs of its own generates while nothing of it occupies the training GPUs, and one server serves
 every rank. Start it first (TRL 1.16's documented flags; ``VLLM_SERVER_DEV_MODE=1`` exposes the weight-update and
-cache endpoints)::
+cache endpoints; ``--logprobs-mode processed_logprobs`` makes the log-probabilities it reports for the importance-
+sampling correction those it sampled with, after temperature)::
 
     VLLM_SERVER_DEV_MODE=1 CUDA_VISIBLE_DEVICES=7 vllm serve Qwen/Qwen3-0.6B \\
-        --weight-transfer-config '{"backend": "nccl"}' --port 8000
+        --weight-transfer-config '{"backend": "nccl"}' --logprobs-mode processed_logprobs --port 8000
 
 The served model must have the trained model's architecture: its weights are replaced by the trained ones before
 the first generation and after every optimizer step.
@@ -135,24 +136,31 @@ class VLLMServer(GenerationBackend):
             answer = [self._complete([ids for prompts in every_rank for ids in prompts], num_generations)]
         if world > 1:
             dist.broadcast_object_list(answer, src=0)
-        completions, error = answer[0]
+        completions, logprobs, error = answer[0]
         if error is not None:
             raise RuntimeError(f"Generation on the vLLM server failed (on rank 0): {error}")
         start = sum(len(prompts) for prompts in every_rank[:rank]) * num_generations
-        return completions[start : start + len(prompt_ids) * num_generations]
+        end = start + len(prompt_ids) * num_generations
+        self.sampling_logprobs = logprobs[start:end]
+        return completions[start:end]
 
-    def _complete(self, prompt_ids: list[list[int]], num_generations: int) -> tuple[list[list[int]] | None, str | None]:
-        """Rank 0's request for every rank's prompts: the completions, or the error every rank then raises."""
+    def _complete(
+        self, prompt_ids: list[list[int]], num_generations: int
+    ) -> tuple[list[list[int]] | None, list[list[float]] | None, str | None]:
+        """Rank 0's request for every rank's prompts: the completions and their sampling log-probabilities, or the
+        error every rank then raises."""
         if not prompt_ids:
-            return [], None
+            return [], [], None
         try:
             prompts, n = vllm_requests(prompt_ids, num_generations, self.sampling)
-            completions = self.client.complete(prompts, vllm_sampling_params(self.sampling, self.eos_token_ids, n))
+            params = vllm_sampling_params(self.sampling, self.eos_token_ids, n)
+            sampled, logprobs = self.client.complete(prompts, params)
             limit = self.sampling.max_completion_length
             expected = len(prompt_ids) * num_generations
-            return checked_completions(completions, expected, self.eos_token_ids, limit, "The vLLM server"), None
+            completions = checked_completions(sampled, expected, self.eos_token_ids, limit, "The vLLM server")
+            return completions, [values[: len(kept)] for values, kept in zip(logprobs, completions)], None
         except (RuntimeError, ValueError, OSError) as error:
-            return None, f"{type(error).__name__}: {error}"
+            return None, None, f"{type(error).__name__}: {error}"
 
     def _push_weights(self, model: nn.Module, device: torch.device, rank: int) -> None:
         """Send the trained weights; under FSDP2 every rank gathers each tensor with rank 0, which sends it."""

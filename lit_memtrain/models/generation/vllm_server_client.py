@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -23,8 +24,12 @@ from lit_memtrain.models.generation.weight_sync import InferenceWeight
 
 __all__ = ["SERVER_COMMAND", "VLLMServerClient"]
 
-SERVER_COMMAND = """VLLM_SERVER_DEV_MODE=1 vllm serve <model> --weight-transfer-config '{"backend": "nccl"}'"""
-"""How to start a server this client can push weights to."""
+SERVER_COMMAND = (
+    """VLLM_SERVER_DEV_MODE=1 vllm serve <model> --weight-transfer-config '{"backend": "nccl"}' """
+    "--logprobs-mode processed_logprobs"
+)
+"""How to start a server this client can push weights to, which reports the log-probabilities it samples with
+after temperature and the logit processors (TRL's ``vllm-serve`` flag, for the importance-sampling correction)."""
 
 
 class VLLMServerClient:
@@ -78,6 +83,14 @@ class VLLMServerClient:
                 f"The vLLM server at {self.base_url} has no weight-transfer engine, so it cannot take the trained "
                 f"weights. Restart it as {SERVER_COMMAND}."
             )
+        logprobs_mode = (config.get("model_config") or {}).get("logprobs_mode", "processed_logprobs")
+        if logprobs_mode != "processed_logprobs":  # TRL's warning
+            warnings.warn(
+                f"The vLLM server at {self.base_url} runs with --logprobs-mode {logprobs_mode}: the log-probabilities "
+                "it reports are not those it sampled with, which biases the importance-sampling correction. Restart "
+                "it with --logprobs-mode processed_logprobs, or set vllm_importance_sampling_correction=False.",
+                stacklevel=2,
+            )
 
     def init_weight_transfer(self, group_port: int) -> None:
         """Set up the NCCL group: the server's workers and this process (its rank 0)."""
@@ -105,8 +118,16 @@ class VLLMServerClient:
         self._request("POST", "/finish_weight_update", {})
         self._request("POST", "/reset_prefix_cache")
 
-    def complete(self, prompts: list[list[int]], params: dict[str, Any]) -> list[list[int]]:
-        """The completions' token ids of ``prompts`` (token ids), ``params["n"]`` each, prompt-major."""
-        body = {"model": self.model, "prompt": prompts, "return_token_ids": True, **params}
+    def complete(
+        self, prompts: list[list[int]], params: dict[str, Any]
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """The completions' token ids of ``prompts`` (token ids), ``params["n"]`` each, prompt-major, and the
+        log-probability the server sampled each token with (NaN where it gave none)."""
+        body = {"model": self.model, "prompt": prompts, "return_token_ids": True, "logprobs": 0, **params}
         choices = sorted(self._request("POST", "/v1/completions", body)["choices"], key=lambda c: c["index"])
-        return [list(choice["token_ids"]) for choice in choices]
+        logprobs = [
+            [float("nan") if value is None else float(value) for value in (choice.get("logprobs") or {}).get(
+                "token_logprobs", [None] * len(choice["token_ids"]))]
+            for choice in choices
+        ]  # fmt: skip
+        return [list(choice["token_ids"]) for choice in choices], logprobs
