@@ -9,6 +9,7 @@ Example::
 
     lit-memtrain curves --metrics outputs/smollm2_reward/lightning_logs/version_0/metrics.csv \\
         --keys train/loss train/accuracy val/accuracy --output docs/images/smollm2_reward.png
+    lit-memtrain curves --metrics outputs/smollm2_reward --keys train/loss --output loss.png  # its latest run
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import argparse
 import csv
 from pathlib import Path
 
-__all__ = ["curves", "read_curves", "write_curves"]
+__all__ = ["curves", "newest_metrics_file", "read_curves", "write_curves"]
 
 Curve = list[tuple[int, float]]
 
@@ -29,19 +30,40 @@ def curves(argv: list[str]) -> None:
     )
     parser.add_argument(
         "--metrics", required=True,
-        help="the metrics.csv a CSVLogger wrote (<save_dir>/lightning_logs/version_<n>/metrics.csv)",
+        help="the metrics.csv a CSVLogger wrote (<save_dir>/lightning_logs/version_<n>/metrics.csv), or a folder: "
+        "the newest metrics.csv under it (a config's save_dir: its latest run)",
     )  # fmt: skip
     parser.add_argument("--keys", required=True, nargs="+", help="logged metric names, e.g. train/loss val/accuracy")
     parser.add_argument("--output", required=True, metavar="FILE.png", help="the PNG to write")
     parser.add_argument("--title", default=None, help="the figure's title (default: the metrics file)")
     args = parser.parse_args(argv)
-    found = read_curves(args.metrics, args.keys)
-    write_curves(args.output, found, args.title or args.metrics)
+    metrics = newest_metrics_file(args.metrics)
+    found = read_curves(metrics, args.keys)
+    write_curves(args.output, found, args.title or str(metrics))
     points = ", ".join(
         f"{key}: {len(curve)} points, steps {curve[0][0]}-{curve[-1][0]}"
         for key, curve in found.items()
     )
-    print(f"wrote {args.output} ({points})")
+    print(f"wrote {args.output} from {metrics} ({points})")
+
+
+def newest_metrics_file(path: str | Path) -> Path:
+    """``path`` itself, or for a folder the most recently written ``metrics.csv`` under it (a config's ``save_dir``
+    holds one ``lightning_logs/version_<n>`` per run, and ``n`` sorts as text: version_10 before version_2).
+
+    Raises:
+        FileNotFoundError: a folder with no ``metrics.csv`` under it.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return path
+    found = sorted(path.rglob("metrics.csv"), key=lambda file: file.stat().st_mtime)
+    if not found:
+        raise FileNotFoundError(
+            f"--metrics {path}: no metrics.csv under this folder. A CSVLogger writes "
+            "<save_dir>/lightning_logs/version_<n>/metrics.csv (trainer.logger: lightning.pytorch.loggers.CSVLogger)."
+        )
+    return found[-1]
 
 
 def read_curves(path: str | Path, keys: list[str]) -> dict[str, Curve]:

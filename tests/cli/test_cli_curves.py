@@ -1,5 +1,7 @@
 """``lit-memtrain curves``: the points drawn are the ones a real CSVLogger run logged, and a wrong key is named."""
 
+import os
+
 import matplotlib.image
 import pytest
 import torch
@@ -8,7 +10,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
 from lit_memtrain.cli import main
-from lit_memtrain.cli.curves import read_curves
+from lit_memtrain.cli.curves import newest_metrics_file, read_curves
 
 
 class LogsKnownValues(LightningModule):
@@ -72,3 +74,18 @@ def test_curves_name_the_logged_metrics_when_a_key_is_not_one(run, tmp_path, cap
     assert exit_info.value.code == 2
     assert f"{metrics} has no metric 'val/acuracy'; it logged: train/value, val/value." in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_a_folder_means_its_newest_metrics_file(run, tmp_path, capsys):
+    metrics, _ = run
+    main(["curves", "--metrics", str(metrics.parents[2]), "--keys", "train/value", "--output", str(tmp_path / "a.png")])
+    assert f"from {metrics} (train/value: 6 points" in capsys.readouterr().out
+    for version, age in (("version_10", 0), ("version_2", 100)):  # newest by time, not by name
+        copy = tmp_path / "logs" / "lightning_logs" / version / "metrics.csv"
+        copy.parent.mkdir(parents=True)
+        copy.write_text(metrics.read_text())
+        os.utime(copy, (copy.stat().st_mtime - age,) * 2)
+    assert newest_metrics_file(tmp_path / "logs") == tmp_path / "logs" / "lightning_logs" / "version_10" / "metrics.csv"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no metrics.csv under this folder"):
+        newest_metrics_file(tmp_path / "empty")
