@@ -2,8 +2,8 @@
 
 ``fit`` and ``validate`` take ``--config configs/*.yaml`` and ``--model.*``, ``--data.*``, ``--trainer.*``
 arguments (also in the ``--key=value`` form a W&B sweep agent passes); see :mod:`lit_memtrain.cli.fit`. The other
-subcommands live in a file each: ``generate``, ``evaluate``, ``export``, ``lengths``, ``plan``. Every subcommand ends a
-configuration mistake with one line and exit status 2 (:mod:`lit_memtrain.cli.errors`).
+subcommands live in a file each: ``generate``, ``evaluate``, ``export``, ``lengths``, ``plan``, ``curves``. Every
+subcommand ends a configuration mistake with one line and exit status 2 (:mod:`lit_memtrain.cli.errors`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ __all__ = ["MemTrainCLI", "main", "names_model_class"]
 
 # Our own subcommands: the module under lit_memtrain.cli and its function, imported when the subcommand runs.
 SUBCOMMANDS = {
-    "generate": "generate", "evaluate": "evaluate", "export": "export", "lengths": "lengths", "plan": "plan"
+    "generate": "generate", "evaluate": "evaluate", "export": "export", "lengths": "lengths", "plan": "plan",
+    "curves": "curves",
 }  # fmt: skip
 
 # LightningCLI's subcommands the modules do not implement, with what to run instead.
@@ -41,6 +42,7 @@ lit-memtrain subcommands of its own:
   lengths    token-length profile and a recommended max_length (lit-memtrain lengths --help)
   export     merge a checkpoint's LoRA adapter and write a Hugging Face directory (lit-memtrain export --help)
   plan       simulate a fit configuration's peak GPU memory, and the longest sequence that fits (lit-memtrain plan --help)
+  curves     a run's logged metrics against steps, as a PNG from its CSVLogger file (lit-memtrain curves --help)
 
 A configuration mistake ends with one line; {TRACEBACK_VARIABLE}=1 shows its traceback as well.
 """
