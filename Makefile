@@ -12,7 +12,7 @@ GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 OUT ?= gpu-check
 GPU_CHECK_ARGS ?=
 
-.PHONY: install quickstart smollm2 smollm2-sft smollm2-dpo test docs-check bench mutations gpu-check clean
+.PHONY: install quickstart smollm2 smollm2-sft smollm2-dpo smollm2-grpo test docs-check bench mutations gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,12 @@ smollm2-sft: smollm2
 # held-out pairs' chosen-over-rejected margin is logged on validation.
 smollm2-dpo: smollm2
 	$(VENV)/bin/lit-memtrain fit --config configs/smollm2_dpo.yaml
+
+# GRPO from the SFT result (run first when its export is missing) with an exact-answer reward; the held-out
+# exact-answer accuracy is printed before and after.
+smollm2-grpo: smollm2
+	test -f outputs/smollm2_sft/export/config.json || $(MAKE) smollm2-sft
+	$(VENV)/bin/lit-memtrain fit --config configs/smollm2_grpo.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -95,4 +95,19 @@ def test_the_smollm2_config_reads_a_gguf_model_and_its_tokenizer(tiny_gguf):
     assert cli.datamodule.tokenizer_name == cli.model.hparams.tokenizer == str(tiny_gguf)
     assert cli.datamodule.dataset == "lit-memtrain/addition" and cli.datamodule.assistant_only_loss
     (accuracy,) = [c for c in cli.trainer.callbacks if isinstance(c, ExactAnswerAccuracy)]
-    assert accuracy.num_prompts == 200 and accuracy.dataset == "lit-memtrain/addition-heldout"
+    assert accuracy.num_prompts == 100 and accuracy.dataset == "lit-memtrain/addition-heldout"
+
+
+def test_the_smollm2_grpo_config_starts_from_the_sft_export_with_an_exact_answer_reward():
+    import yaml
+
+    from lit_memtrain.objectives.arithmetic_rewards import exact_answer
+
+    config = yaml.safe_load((ROOT / "configs" / "smollm2_grpo.yaml").read_text())
+    sft = yaml.safe_load((ROOT / "configs" / "smollm2_sft.yaml").read_text())
+    model, data = config["model"]["init_args"], config["data"]["init_args"]
+    assert model["model"] == data["tokenizer"] == sft["model"]["export_dir"]
+    assert model["reward_funcs"] == [f"{exact_answer.__module__}.exact_answer"]
+    assert data["dataset"] == "lit-memtrain/addition-prompts"
+    (accuracy,) = config["trainer"]["callbacks"]
+    assert accuracy["init_args"]["num_prompts"] >= 100
