@@ -12,7 +12,7 @@ GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 OUT ?= gpu-check
 GPU_CHECK_ARGS ?=
 
-.PHONY: install quickstart smollm2 smollm2-sft smollm2-dpo test bench mutations gpu-check clean
+.PHONY: install quickstart smollm2 smollm2-sft smollm2-dpo smollm2-online-dpo test bench mutations gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,11 @@ smollm2-sft: smollm2
 # held-out pairs' chosen-over-rejected margin is logged on validation.
 smollm2-dpo: smollm2
 	$(VENV)/bin/lit-memtrain fit --config configs/smollm2_dpo.yaml
+
+# Online DPO of the same model (LoRA on its top 10 layers): two sampled answers per addition prompt, the one an
+# exact-answer and format judge scores higher chosen; held-out greedy exact answers are printed before and after.
+smollm2-online-dpo: smollm2
+	$(VENV)/bin/lit-memtrain fit --config configs/smollm2_online_dpo.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
