@@ -12,7 +12,7 @@ GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 OUT ?= gpu-check
 GPU_CHECK_ARGS ?=
 
-.PHONY: install quickstart smollm2 smollm2-sft smollm2-dpo smollm2-grpo test docs-check bench mutations gpu-check clean
+.PHONY: install quickstart smollm2 smollm2-sft smollm2-dpo smollm2-grpo smollm2-online-dpo test docs-check bench mutations gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,11 @@ smollm2-dpo: smollm2
 smollm2-grpo: smollm2
 	test -f outputs/smollm2_sft/export/config.json || $(MAKE) smollm2-sft
 	$(VENV)/bin/lit-memtrain fit --config configs/smollm2_grpo.yaml
+
+# Online DPO of the same model (LoRA on its top 10 layers): two sampled answers per addition prompt, the one an
+# exact-answer and format judge scores higher chosen; held-out greedy exact answers are printed before and after.
+smollm2-online-dpo: smollm2
+	$(VENV)/bin/lit-memtrain fit --config configs/smollm2_online_dpo.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -175,7 +175,7 @@ def test_test_predict_and_unknown_subcommands_are_refused_with_what_to_run(capsy
     )
     assert one_line_error(["fitt", "--config", QUICKSTART], capsys) == (
         "lit-memtrain: error: unknown subcommand 'fitt' (did you mean 'fit'?); choose from fit, validate, generate, "
-        "evaluate, export, lengths, plan."
+        "evaluate, export, lengths, plan, curves."
     )
 
 
