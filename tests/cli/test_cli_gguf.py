@@ -95,7 +95,7 @@ def test_the_smollm2_config_reads_a_gguf_model_and_its_tokenizer(tiny_gguf):
     assert cli.datamodule.tokenizer_name == cli.model.hparams.tokenizer == str(tiny_gguf)
     assert cli.datamodule.dataset == "lit-memtrain/addition" and cli.datamodule.assistant_only_loss
     (accuracy,) = [c for c in cli.trainer.callbacks if isinstance(c, ExactAnswerAccuracy)]
-    assert accuracy.num_prompts == 100 and accuracy.dataset == "lit-memtrain/addition-heldout"
+    assert accuracy.num_prompts >= 100 and accuracy.dataset == "lit-memtrain/addition-heldout"
 
 
 def test_the_smollm2_grpo_config_starts_from_the_sft_export_with_an_exact_answer_reward():
