@@ -98,15 +98,17 @@ def test_the_smollm2_config_reads_a_gguf_model_and_its_tokenizer(tiny_gguf):
     assert accuracy.num_prompts >= 100 and accuracy.dataset == "lit-memtrain/addition-heldout"
 
 
-def test_the_smollm2_grpo_config_starts_from_the_sft_export_with_an_exact_answer_reward():
+def test_the_smollm2_grpo_config_starts_from_a_20_step_sft_export_with_an_exact_answer_reward():
     import yaml
 
     from lit_memtrain.objectives.arithmetic_rewards import exact_answer
 
     config = yaml.safe_load((ROOT / "configs" / "smollm2_grpo.yaml").read_text())
     sft = yaml.safe_load((ROOT / "configs" / "smollm2_sft.yaml").read_text())
+    make = (ROOT / "Makefile").read_text()
     model, data = config["model"]["init_args"], config["data"]["init_args"]
-    assert model["model"] == data["tokenizer"] == sft["model"]["export_dir"]
+    assert sft["model"]["export_dir"].replace("smollm2_sft", "smollm2_sft20") == model["model"] == data["tokenizer"]
+    assert f"--model.export_dir={model['model']}" in make and "--trainer.max_steps=20" in make
     assert model["reward_funcs"] == [f"{exact_answer.__module__}.exact_answer"]
     assert data["dataset"] == "lit-memtrain/addition-prompts"
     (accuracy,) = config["trainer"]["callbacks"]
