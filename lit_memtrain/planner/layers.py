@@ -452,7 +452,10 @@ def _first_difference(first: nn.Module, other: nn.Module) -> str:
             continue
         where = a[0] or "the layer itself"
         if a[0] != b[0] or a[1] != b[1]:
-            return f"{where} is a {a[1].rsplit('.', 1)[-1]}, {b[0] or 'the layer itself'} a {b[1].rsplit('.', 1)[-1]}"
+            short = [name.rsplit(".", 1)[-1] for name in (a[1], b[1])]
+            # Two classes of one short name (torch's Linear and peft's LoRA Linear) are told apart by their modules.
+            left_class, right_class = (a[1], b[1]) if short[0] == short[1] else short
+            return f"{where} is a {left_class}, {b[0] or 'the layer itself'} a {right_class}"
         if a[2] != b[2]:
             names = sorted({name for name, _ in set(a[2]) ^ set(b[2])})
             return f"{where} has other {', '.join(names)}"

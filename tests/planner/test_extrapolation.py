@@ -170,5 +170,25 @@ def test_layers_that_differ_are_found_on_the_model():
     assert with_layer_count(windows, 3).layer_types == windows.layer_types[:3]
 
 
+def test_two_layer_classes_of_one_short_name_are_named_in_full():
+    """A LoRA adapter on the top layers only wraps their projections in peft's ``Linear``: the note names both
+    modules' classes, not "a Linear, a Linear"."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lit_memtrain.models.presets import build_config
+    from lit_memtrain.planner.layers import layers_differ
+
+    Linear = type("Linear", (torch.nn.Linear,), {"__module__": "adapters.lora"})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(build_config("tiny-qwen3", {"num_hidden_layers": 3}))
+        attention = model.model.layers[2].self_attn
+        attention.q_proj = Linear(attention.q_proj.in_features, attention.q_proj.out_features, bias=False)
+    assert layers_differ(model) == (
+        "decoder layer 2 differs from decoder layer 0 (self_attn.q_proj is a torch.nn.modules.linear.Linear, "
+        "self_attn.q_proj a adapters.lora.Linear)"
+    )
+
+
 def test_the_emulated_autocast_reads_a_dtype_given_by_position(simulated):
     assert simulated["softmax dtypes"] == ["torch.float32", "torch.float32", "torch.bfloat16"]
