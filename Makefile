@@ -83,7 +83,7 @@ bench: $(STAMP)
 mutations: $(STAMP)
 	$(PY) benchmarks/mutations.py
 
-# Every GPU claim in about 20 minutes on one CUDA GPU (two 9-minute halves: docs/benchmarks.md); report in $(OUT)/report.md (see docs/benchmarks.md).
+# Every GPU claim within 8 minutes on one CUDA GPU, least known first; report in $(OUT)/report.md (see docs/benchmarks.md).
 # Installs this package without dependencies and without the network if it is not importable yet.
 gpu-check:
 	@$(GPU_PYTHON) -I -c "import lit_memtrain" 2>/dev/null \

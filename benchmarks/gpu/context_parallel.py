@@ -11,9 +11,9 @@ tiled MLP), on the same weights and tokens in every set-up:
   Checks: the first loss equals one GPU's within bf16 rounding, and each rank's peak is below one GPU's.
 
 Measured after a warm-up step: peak allocated memory (the largest over the ranks) and the median step time.
-Each one-rank run is measured in a process of its own (``results.run_isolated``): run after FSDP2 in the same
-process, ``ContextParallelStrategy(1)`` measured FSDP2's module, gradients and AdamW state too (kept alive by
-its callback). The ranks of the split are processes of their own anyway.
+Each one-rank run is isolated from the other (``results.run_isolated``: in this process once proven clean):
+run after FSDP2 in the same process without that proof, ``ContextParallelStrategy(1)`` measured FSDP2's module,
+gradients and AdamW state too (kept alive by its callback). The ranks of the split are processes of their own.
 
 Run from the repository root::
 
@@ -78,7 +78,7 @@ def run(strategy: Strategy, devices: int, args: argparse.Namespace) -> Measure:
 
 
 def one_rank(strategy: str, args: argparse.Namespace) -> argparse.Namespace:
-    """A one-rank run (``"fsdp2"`` or ``"context parallel"``), in a process of its own: its measured figures."""
+    """A one-rank run (``"fsdp2"`` or ``"context parallel"``): its measured figures."""
     if strategy == "fsdp2":
         measure = run(FSDP2Strategy(mixed_precision="bf16"), 1, args)
     else:

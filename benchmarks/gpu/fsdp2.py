@@ -4,9 +4,9 @@ A Qwen3-4B-shaped model (hidden 2560, MLP 9728, vocabulary 151,936) with fewer l
 weights is trained for a few steps by ``Trainer(strategy=FSDP2Strategy(mixed_precision="bf16",
 cpu_offload=...))`` on one sequence per step, with the chunked loss, checkpointing, tiled MLPs and gradient
 clipping (``gradient_clip_val=1.0``): first with the sharded state on the GPU, then with it in host memory (the
-optimizer steps on the CPU), each in a process of its own (``results.run_isolated``: in one process, the first
-run's module, gradients and AdamW state stayed alive through the second, held by its callback, whose ``log``
-Lightning sets to the module's), on the same weights and tokens. Measured after a warm-up
+optimizer steps on the CPU), each isolated from the other (``results.run_isolated``: in one process without
+its proof, the first GPU run's first module, gradients and AdamW state stayed alive through the second, held by
+its callback, whose ``log`` Lightning sets to the module's), on the same weights and tokens. Measured after a warm-up
 step: peak allocated memory (``torch.cuda.max_memory_allocated``), the memory held between steps (parameters,
 gradients and AdamW state when they live on the GPU), and the median step time. Checks: the first loss is the
 same either way; clipping runs with ``cpu_offload`` (its gradient norm is a host tensor, reduced over the gloo
@@ -22,11 +22,9 @@ Run from the repository root (about a minute on one H200)::
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from lit_memtrain.techniques.allocator import enable_expandable_segments
@@ -41,7 +39,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from lit_memtrain.callbacks import GradientCheckpointing, TiledMLP  # noqa: E402
 from lit_memtrain.objectives.causal_lm import CausalLMModule  # noqa: E402
 from lit_memtrain.strategies import FSDP2Strategy  # noqa: E402
-from results import run_isolated, watch  # noqa: E402
+from results import add_arguments, run_isolated, table, watch, write  # noqa: E402
 
 GIB = 2**30
 CLIP = 1.0
@@ -94,7 +92,7 @@ def measured(measure: Measure) -> dict[str, Any]:
 
 
 def run(cpu_offload: bool, args: argparse.Namespace) -> dict[str, Any]:
-    """One training run, in a process of its own: the figures of its :class:`Measure`."""
+    """One training run: the figures of its :class:`Measure`."""
     measure = Measure()
     vocab = 512 if args.dry_run else 151_936
     rows = torch.randint(0, vocab, (args.steps, args.seq_len), generator=torch.Generator().manual_seed(1))
@@ -121,15 +119,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=4, help="including one warm-up step")
     parser.add_argument("--preset", default="qwen3-4b")
-    parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
-    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU: the code path, no figures")
+    add_arguments(parser)
     args = parser.parse_args()
     if args.dry_run:
         args.preset, args.seq_len, args.layers, args.steps = "tiny-qwen3", 64, 2, 3
     elif not torch.cuda.is_available():
         sys.exit("benchmarks/gpu/fsdp2.py needs a CUDA GPU and none is available: nothing was measured.")
     device = "cpu (dry run)" if args.dry_run else "CUDA GPU"
-    print(f"{device}, each run in a process of its own, torch {torch.__version__}, {args.preset} with {args.layers} "
+    print(f"{device}, each run isolated from the other, torch {torch.__version__}, {args.preset} with {args.layers} "
           f"layers, fp32 master weights, bf16 compute, {args.seq_len} tokens per step, chunked loss, offloaded "
           "checkpoints, tiled MLP", flush=True)
     results = {
@@ -167,19 +164,16 @@ def main() -> None:
     ]
     for item in checks:
         print(f"{'PASS' if item['passed'] else 'FAIL'}: {item['name']} ({item['detail']})")
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "summary": f"FSDP2Strategy on one GPU, {args.preset} x {args.layers} layers, {args.seq_len} tokens: "
-                       f"peak {rows_out[0][1]} GiB on the GPU, {rows_out[1][1]} GiB with cpu_offload",
-            "tables": [{"title": "FSDP2Strategy, one GPU, with and without cpu_offload", "columns": columns,
-                        "rows": [[None if isinstance(v, float) and v != v else v for v in row] for row in rows_out]}],
-            "checks": checks,
-            "config": {"seq_len": args.seq_len, "layers": args.layers, "steps": args.steps, "preset": args.preset},
-        }, indent=1) + "\n")
-    if not all(item["passed"] for item in checks):
+    passed = write(
+        args.json,
+        summary=f"FSDP2Strategy on one GPU, {args.preset} x {args.layers} layers, {args.seq_len} tokens: "
+                f"peak {rows_out[0][1]} GiB on the GPU, {rows_out[1][1]} GiB with cpu_offload",
+        tables=[table("FSDP2Strategy, one GPU, with and without cpu_offload", columns, rows_out)],
+        checks=checks,
+        config={"seq_len": args.seq_len, "layers": args.layers, "steps": args.steps, "preset": args.preset},
+    )
+    if not passed:
         sys.exit(1)
-
 
 if __name__ == "__main__":
     main()

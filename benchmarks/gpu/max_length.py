@@ -7,16 +7,17 @@ MLP; + offloaded checkpoints: each adds its technique to the row above, as the p
 
 - planned: :meth:`~lit_memtrain.planner.plan.Planner.longest_length` against a budget of ``--cap-gib`` with no
   margin (what ``plan --find-max-length --compare --gpu-memory CAP --margin 0`` prints), all rows searched at once
-  in the planner's worker processes, in one process of its own before any probe;
+  in the planner's worker processes, in a fresh process before any probe (the planner registers its stand-in
+  device in the process it runs in);
 - measured: ``Trainer.fit`` of :class:`~lit_memtrain.objectives.causal_lm.CausalLMModule` with the row's real
   callbacks (``CallbackSpec.instantiate``) and ``loss_type``, a warm-up step of 1,024 tokens (it creates the AdamW
-  state), then one step of the probed length, in a fresh process capped at ``--cap-gib`` by
+  state), then one step of the probed length, capped at ``--cap-gib`` by
   ``torch.cuda.set_per_process_memory_fraction`` (expandable segments on): an out-of-memory error means it does
   not fit. A bounded search, not a bisection: the first probe is the planner's length, the second 5% above it
   (if it fit) or below (if not), a third 10% away if the second went the same way; a row stops once bracketed.
-  Rows take turns (every row's first probe before any row's second), each probe in a process of its own
-  (``run_isolated``: the next one imports while a probe runs); after ``--time-budget-s`` only rows not yet
-  probed are (the dry run: one probe).
+  Rows take turns (every row's first probe before any row's second), each probe isolated from the others
+  (``run_isolated``: in this process once proven clean, the allocator's cache emptied and the cap lifted between
+  probes); after ``--time-budget-s`` only rows not yet probed are (the dry run: one probe).
 
 The table: planned length, the longest measured length that fit and the shortest that did not, measured /
 planned, and at the planned length the planner's peak against the peak allocated there (if it fit). The reserved
@@ -40,6 +41,9 @@ import time
 from typing import Any
 
 from results import add_arguments, check, run_isolated, table, write
+
+# Read once, when CUDA starts: before the first probe (and the libraries' floor run_isolated makes before it).
+os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
 GIB = 2**30
 ROWS = ("plain", "+ checkpointing", "+ chunked loss", "+ tiled MLP", "+ offloaded checkpoints")
@@ -90,8 +94,8 @@ def plan_rows(setup: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def probe(setup: dict[str, Any], name: str, length: int) -> dict[str, Any]:
     """One step of ``length`` tokens with row ``name``'s techniques under the cap (after a warm-up step): whether it
-    fit, and its peaks. Runs in a fresh process: the cap and the allocator's settings are the process's."""
-    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # read at the first CUDA allocation
+    fit, and its peaks. The cap is the process's: ``run_isolated`` lifts it again after the probe; expandable
+    segments are set before CUDA starts, for every probe alike."""
     import torch
     from lightning.pytorch import Trainer
     from torch.utils.data import DataLoader
@@ -166,7 +170,7 @@ def main() -> None:
              "device": device, "precision": precision, "dtype": dtype, "start": 8192 if not args.dry_run else 1024}
     print(f"{args.preset} width, {args.layers} layers, {precision}, cap {args.cap_gib} GiB; planning "
           f"{len(args.rows)} rows", flush=True)  # fmt: skip
-    planned = run_isolated(plan_rows, setup, timeout_s=120)
+    planned = run_isolated(plan_rows, setup, timeout_s=120, fresh=True)  # the planner's stand-in device
     print(f"planned in {time.monotonic() - start:.0f} s: " + ", ".join(f"{n} {p['length']:,}" for n, p in planned.items()),
           flush=True)  # fmt: skip
     probes: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in args.rows}

@@ -2,7 +2,7 @@
 
 A Qwen3-4B-shaped model (hidden 2560, MLP 9728, vocabulary 151,936) with fewer layers and random bf16
 weights runs forward + chunked loss + backward on one sequence. Each setting is measured after a warm-up
-step, in a process of its own (``results.run_isolated``: nothing an earlier setting left is measured), on the
+step, isolated from the others (``results.run_isolated``: nothing an earlier setting left is measured), on the
 same weights and tokens (same seeds):
 
 - ``checkpointing``: non-reentrant checkpointing of every layer (the reference for the next two);
@@ -130,7 +130,7 @@ def measure(model, input_ids, offloader, steps: int) -> dict[str, Any]:
 
 
 def measure_setting(setting: str, preset: str, layers: int, seq_len: int, steps: int, stash: int) -> dict[str, Any]:
-    """One setting of :data:`REFERENCES`, in a process of its own (on the CPU for the dry run's tiny preset)."""
+    """One setting of :data:`REFERENCES` (on the CPU for the dry run's tiny preset)."""
     device = torch.device("cpu" if preset.startswith("tiny") else "cuda")
     model = build_model(preset, layers, device)
     watch(model)
@@ -171,7 +171,7 @@ def main() -> None:
     name = "CPU (dry run)" if args.dry_run else "CUDA GPU"
     print(f"{name}, torch {torch.__version__}, layers {args.layers}, {preset} width, "
           f"chunked loss; {args.seq_len} tokens with checkpointing, {args.plain_seq_len} without; "
-          "each setting in a process of its own", flush=True)
+          "each setting isolated from the others", flush=True)
     results: dict[str, dict] = {}
     reference_grads: dict[str, list[torch.Tensor]] = {}  # host memory, one reference setting's at a time
     for setting, reference in REFERENCES.items():
@@ -229,7 +229,7 @@ def main() -> None:
         f"time {by_setting['offloaded checkpoints'][7]:.2f}x and {by_setting['no checkpointing + offload'][7]:.2f}x"
     )
     title = (f"{preset} width, {args.layers} layers, {results['checkpointing']['dtype']}, chunked loss, median of "
-             f"{args.steps} steps, each setting in a process of its own; ratios against the reference setting "
+             f"{args.steps} steps, each setting isolated from the others; ratios against the reference setting "
              "(checkpointing, or no checkpointing) in the same run")
     passed = write(args.json, summary=summary, tables=[table(title, columns, rows)], checks=checks, config=vars(args)
                    | {"json": str(args.json), "preset": preset, "device": str(device)})

@@ -3,7 +3,7 @@
 A Qwen3-4B-shaped model (hidden 2560, 32 heads, 8 KV heads) with a few layers and random bf16 weights runs
 forward + chunked loss + backward, with every layer checkpointed, on one packed padding-free row of
 ``--seq-len`` tokens made of documents with lognormal lengths (median ``--median-doc``). Each attention
-implementation runs in a process of its own (``results.run_isolated``), on the same weights and row (same
+implementation is isolated from the other (``results.run_isolated``), on the same weights and row (same
 seeds), after a warm-up step; the model is built on the device (built on the CPU in bf16 and moved, it did not
 finish its first configuration in the first GPU run's 75 s: bf16 random initialisation on the CPU took 62 s for
 the embedding and one layer, 490M parameters, on this project's 2-core machine):
@@ -75,7 +75,7 @@ def step(model: torch.nn.Module, batch: dict[str, torch.Tensor], attention: str)
 
 
 def measure(args: argparse.Namespace, attention: str) -> dict[str, object]:
-    """One attention implementation, in a process of its own; the gradient compared comes back on the CPU."""
+    """One attention implementation; the gradient compared comes back on the CPU."""
     device = torch.device(args.device)
     batch = packed_row(args.seq_len, args.median_doc, build_config(args.preset).vocab_size, device)
     torch.manual_seed(0)
@@ -128,7 +128,7 @@ def main() -> None:
     documents = len(packed_row(args.seq_len, args.median_doc, vocab_size, torch.device("cpu"))["cu_seq_lens_q"]) - 1
     print(
         f"{args.preset}, {args.layers} layers, {args.dtype}; one packed row of {args.seq_len:,} tokens, "
-        f"{documents} documents; each implementation in a process of its own", flush=True
+        f"{documents} documents; each implementation isolated from the other", flush=True
     )
     results = {attention: run_isolated(measure, args, attention) for attention in IMPLEMENTATIONS}
     reference = results["sdpa"]["gradient"]

@@ -9,11 +9,12 @@ step; then forward through the decoder, chunked loss, backward, optimizer step, 
 over that second step: ``torch.cuda.max_memory_allocated`` (and the reserved peak, which is what has to
 fit), and both peaks above the memory held before the step (weights, optimizer state, inputs).
 
-The simulations run in a child process, before this one touches CUDA: the stand-in device the simulation
-registers must precede any backward in its process (see the module docstring of ``simulate``). Each
-configuration is measured in a process of its own too (``results.run_isolated``): measured one after the other
-in one process, each configuration's held memory grew by about a set of decoder layers, those of the earlier
-configurations, kept alive by a reference cycle until the next full garbage collection.
+The simulations run in a child process, on the CPU while this one measures on the GPU: the stand-in device
+the simulation registers must precede any backward in its process (see the module docstring of ``simulate``).
+Each configuration is isolated from the others (``results.run_isolated``: in this process once proven clean):
+measured one after the other in one process without that proof, the first GPU run saw each configuration's
+held memory grow by about a set of decoder layers, those of the earlier configurations, kept alive by a
+reference cycle until the next full garbage collection.
 
 Checked (exit status 1 when one fails, for ``check.py``): every measured peak is within ``--tolerance``
 (10%) of the prediction. The simulation counts allocations at their exact sizes, not kernel workspaces
@@ -51,15 +52,20 @@ CHECKPOINTING = ("full", "offload")
 HELD_BEFORE_STEP = ("parameters", "buffers", "optimizer_state", "other")
 
 
-def simulate(preset: str, layers: int, configurations: list[tuple[int, str]]) -> list[dict[str, float]]:
-    """Predictions for ``(seq_len, checkpointing)`` pairs, computed in a fresh child process."""
+def start_simulation(preset: str, layers: int, configurations: list[tuple[int, str]]) -> subprocess.Popen:
+    """Start the predictions for ``(seq_len, checkpointing)`` pairs in a fresh child process, on the CPU, while
+    this one measures on the GPU (the child touches no GPU: the measured memory is this process's alone)."""
     request = json.dumps({"preset": preset, "layers": layers, "configurations": configurations})
-    result = subprocess.run(
-        [sys.executable, __file__, "--simulate", request], capture_output=True, text=True, timeout=600
-    )
-    if result.returncode != 0:
-        raise RuntimeError(f"The simulation failed:\n{result.stderr[-4000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return subprocess.Popen([sys.executable, __file__, "--simulate", request], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def simulation_results(process: subprocess.Popen) -> list[dict[str, float]]:
+    """The predictions of :func:`start_simulation`, once it ends."""
+    stdout, stderr = process.communicate(timeout=600)
+    if process.returncode != 0:
+        raise RuntimeError(f"The simulation failed:\n{stderr[-4000:]}")
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def _simulate_in_this_process(request: str) -> None:
@@ -82,8 +88,7 @@ def _simulate_in_this_process(request: str) -> None:
 
 
 def measure(preset: str, layers: int, seq_len: int, checkpointing: str, device: str) -> dict[str, float]:
-    """Peak memory of the simulated step, run for real (after a warm-up step that creates the AdamW state), in a
-    process of its own."""
+    """Peak memory of the simulated step, run for real (after a warm-up step that creates the AdamW state)."""
     config = build_config(preset, {"num_hidden_layers": layers})
     device = torch.device(device)
     torch.manual_seed(0)
@@ -142,13 +147,17 @@ def main() -> None:
         sys.exit("benchmarks/gpu/planner_vs_measured.py needs a CUDA GPU and none is available: nothing was measured.")
     configurations = [(seq_len, mode) for seq_len in args.seq_lens for mode in CHECKPOINTING]
     print(f"{args.preset} width, {args.layers} layers, bf16, chunked loss, AdamW; simulating "
-          f"{len(configurations)} configurations in a child process", flush=True)
-    predictions = simulate(args.preset, args.layers, configurations)
+          f"{len(configurations)} configurations in a child process while they are measured", flush=True)
+    simulation = start_simulation(args.preset, args.layers, configurations)
+    measurements = []
+    for seq_len, mode in configurations:
+        measurements.append(run_isolated(measure, args.preset, args.layers, seq_len, mode, str(device)))
+        print(f"measured {seq_len:,} tokens, {mode} checkpointing: {measurements[-1]['peak']:.2f} GiB", flush=True)
+    predictions = simulation_results(simulation)
     rows, checks = [], []
     print(f"{'tokens':>8} {'checkpointing':>13} {'predicted GiB':>14} {'measured GiB':>13} {'ratio':>7} "
           f"{'above held: predicted':>22} {'measured':>9} {'reserved GiB':>13}")
-    for (seq_len, mode), predicted in zip(configurations, predictions):
-        measured = run_isolated(measure, args.preset, args.layers, seq_len, mode, str(device))
+    for (seq_len, mode), predicted, measured in zip(configurations, predictions, measurements):
         ratio = measured["peak"] / predicted["peak"]
         rows.append([
             seq_len, mode, predicted["peak"], measured["peak"], ratio, predicted["above_held"],
@@ -170,7 +179,7 @@ def main() -> None:
                "host GiB (predicted)", "simulation s", "step s"]
     title = (f"{args.preset} width, {args.layers} layers, bf16 parameters, gradients and AdamW state, chunked loss; "
              "peak device memory of one step, predicted by the planner and measured in the same run, each "
-             "configuration in a process of its own")
+             "configuration isolated from the others")
     ratios = [row[4] for row in rows]
     summary = f"measured / predicted peak: {min(ratios):.3f} to {max(ratios):.3f} over {len(rows)} configurations"
     passed = write(args.json, summary=summary, tables=[table(title, columns, rows)], checks=checks,

@@ -15,18 +15,22 @@ The JSON object::
 Figures go in the tables as measured; ratios against a baseline measured side by side in the same run
 get their own columns. ``float('nan')`` (not measured, e.g. GPU memory in a dry run) is written as null.
 
-Each setting of a part is measured by :func:`run_isolated`, in a fresh process of its own: a setting measured
+Each setting of a part is measured by :func:`run_isolated`, isolated from every other setting: a setting measured
 after another in the same process measures what the earlier one left behind too (a module kept alive by a
 callback, gradients kept for a comparison, decoder layers waiting for the garbage collector), which the first
-GPU run did. The child proves its clean start (no CUDA memory allocated before the setting runs) and that the
-objects the setting registered with :func:`watch` (its model, its module) are gone when it returns, without
-the garbage collector: a setting that leaks fails, in a dry run on the CPU too.
+GPU run did. So before a setting runs in the part's own process, it is proven clean: CUDA memory allocated back
+at the floor the process had before its first setting (what CUDA libraries keep for the life of a process,
+created up front), and every object the previous setting registered with :func:`watch` (its model, its module)
+gone, without the garbage collector. Where that cannot be proven, the setting runs in a fresh process instead
+(and a setting can ask for one). Either way the figures are the setting's own; a setting that leaks fails, in a
+dry run on the CPU too. How each setting ran, and its time, goes into the JSON (``"settings"``).
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import gc
 import json
 import math
@@ -35,15 +39,18 @@ import multiprocessing.util  # before the exit handler below, which must run bef
 import os
 import pickle
 import re
+import signal
 import sys
+import threading
+import time
 import traceback
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "OPTIONAL_PACKAGES", "START_METHOD_VARIABLE", "SettingLeaked", "add_arguments", "check",
+    "ISOLATION_VARIABLE", "OPTIONAL_PACKAGES", "START_METHOD_VARIABLE", "SettingLeaked", "add_arguments", "check",
     "missing_optional_package", "run_isolated", "table", "watch", "write",
 ]
 
@@ -91,8 +98,10 @@ def write(
     checks: Sequence[dict[str, Any]] = (),
     config: dict[str, Any] | None = None,
 ) -> bool:
-    """Write the part's results to ``path`` (nothing when ``None``) and return whether every check passed."""
-    result = {"summary": summary, "tables": list(tables), "checks": list(checks), "config": config or {}}
+    """Write the part's results to ``path`` (nothing when ``None``) and return whether every check passed; with
+    them, how each setting :func:`run_isolated` ran went (``"settings"``: where, why, seconds)."""
+    result = {"summary": summary, "tables": list(tables), "checks": list(checks), "config": config or {},
+              "settings": list(_ran)}
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(_finite(result), indent=1, allow_nan=False) + "\n")
@@ -111,22 +120,18 @@ class SettingLeaked(RuntimeError):
     """Objects a setting registered with :func:`watch` were still alive when it returned."""
 
 
-class RemoteTraceback(Exception):
-    """The traceback of an exception raised in the child of :func:`run_isolated` (its ``__cause__``)."""
-
-    def __str__(self) -> str:
-        return str(self.args[0])
-
-
 # What the running setting registered with watch(): (description, weak reference, freed only by a garbage
-# collection). Used in the child only.
+# collection).
 _watched: list[tuple[str, weakref.ref, bool]] = []
+
+# How each setting of this process ran, in order: what write() puts under "settings".
+_ran: list[dict[str, Any]] = []
 
 
 def watch(obj: Any, name: str | None = None, *, after_collection: bool = False) -> None:
-    """Register ``obj`` (a model, a LightningModule) as belonging to the setting that :func:`run_isolated` runs
-    in this process: when the setting returns, ``obj`` must be gone, freed by reference counting alone (no
-    garbage collection). Otherwise :class:`SettingLeaked` is raised, naming what still refers to it.
+    """Register ``obj`` (a model, a LightningModule) as belonging to the setting that :func:`run_isolated` is
+    running: when the setting returns, ``obj`` must be gone, freed by reference counting alone (no garbage
+    collection). Otherwise :class:`SettingLeaked` is raised, naming what still refers to it.
 
     ``after_collection=True`` for what a library holds in reference cycles that are not ours to break (a
     LightningModule after ``Trainer.fit``: the trainer's connectors refer to the trainer): then ``obj`` must be
@@ -137,7 +142,7 @@ def watch(obj: Any, name: str | None = None, *, after_collection: bool = False) 
 
 def _cuda_allocated() -> int | None:
     """Bytes the caching allocator has handed out in this process; ``None`` without CUDA (torch imported only if
-    the setting's module already did)."""
+    the setting's module already did). 0 while CUDA is not initialised (reading it initialises nothing)."""
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_available():
         return None
@@ -165,24 +170,159 @@ def _alive(watched: list[tuple[str, weakref.ref]]) -> list[str]:
     return alive
 
 
+def _check_released(name: str) -> None:
+    alive = _alive_watched()
+    if alive:
+        raise SettingLeaked(
+            f"{name} returned but objects it registered with watch() are still alive: {'; '.join(alive)}. A setting "
+            "measured after this one in the same process would measure them too: drop every reference (callbacks "
+            "kept after the run, reference cycles such as a wrapped forward stored on its module)."
+        )
+
+
+# --- A setting in this process, proven clean first --------------------------------------------------------------
+
+# "process" runs every setting in a fresh process, as the second GPU run did (a process per setting cost 15-25 s
+# there: the reason the default is this process, proven clean).
+ISOLATION_VARIABLE = "GPU_CHECK_ISOLATION"
+# CUDA bytes allocated in this process once the libraries' own memory exists and before its first setting; None
+# until then.
+_floor: int | None = None
+
+
+def _library_floor() -> int:
+    """Create what CUDA libraries keep for the life of a process, and return the bytes allocated then.
+
+    Why: cuBLAS and cuBLASLt workspaces are taken from the caching allocator at a thread's first matrix product
+    on a stream and never given back, so ``memory_allocated`` after a first setting stays above 0 with nothing of
+    the setting alive. Made here, before any setting (products forward and backward, on this thread and on
+    autograd's device thread, in fp32 and bf16, with and without a bias), they become the floor every later setting
+    must find again. A setting that makes more of them (a product on a stream of its own) leaves memory above the
+    floor: the next setting then runs in a fresh process, which is slower, never wrong."""
+    import torch
+
+    for dtype in (torch.float32, torch.bfloat16):
+        inputs, weight, bias = (torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True)
+                                for shape in ((64, 64), (64, 64), (64,)))  # fmt: skip
+        (torch.nn.functional.linear(inputs, weight, bias).sum() + (inputs @ weight.T).sum()).backward()
+        del inputs, weight, bias
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
+def _release() -> None:
+    """Give back what a finished setting may leave that is not an object of its own: reference cycles, the
+    allocator's cached blocks and peak, a memory cap, the default process group (Lightning's strategies start one
+    and never end it)."""
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _why_not_clean() -> str | None:
+    """``None`` when this process is proven clean for the next setting, else why not (after releasing what
+    :func:`_release` releases): an object of the previous setting alive, or CUDA memory off the floor."""
+    global _floor
+    _release()
+    alive = _alive([(name, reference) for name, reference, _ in _watched])
+    if alive:
+        return f"the previous setting's {'; '.join(alive)} still alive"
+    allocated = _cuda_allocated()
+    if allocated is None:  # no CUDA: the watched objects are the proof
+        return None
+    if _floor is None:
+        if allocated:
+            return f"{allocated:,} bytes of CUDA memory allocated in this process before its first setting"
+        _floor = _library_floor()
+        return None
+    if allocated != _floor:
+        return (f"{allocated:,} bytes of CUDA memory allocated where this process started its settings with "
+                f"{_floor:,} (the libraries' own)")
+    return None
+
+
+@contextlib.contextmanager
+def _time_limit(timeout_s: float | None, name: str) -> Iterator[None]:
+    """Raise :class:`TimeoutError` in the setting at ``timeout_s`` (the main thread only: signals)."""
+    if timeout_s is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        raise TimeoutError(f"{name} did not finish within {timeout_s} s (stopped in the part's own process).")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _drop_frames(error: BaseException) -> None:
+    """Free the locals of the frames an exception (and those chained to it) keeps: a caller that handles it and
+    goes on would otherwise keep the setting's tensors, and the next setting would have to run elsewhere."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+
+
+def _run_here(function: Callable, args: tuple, kwargs: dict, timeout_s: float | None) -> Any:
+    """The setting in this process: arguments and result pickled as they would be to and from a fresh one, and
+    the environment variables it set taken back (Lightning leaves ``MASTER_PORT`` for the next run to reuse)."""
+    name = getattr(function, "__qualname__", repr(function))
+    function, args, kwargs = pickle.loads(pickle.dumps((function, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL))
+    _watched.clear()
+    environment = dict(os.environ)
+    try:
+        with _time_limit(timeout_s, name):
+            result = function(*args, **kwargs)
+    except BaseException as error:
+        _drop_frames(error)
+        raise
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
+    _check_released(name)
+    return pickle.loads(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+# --- A setting in a fresh process ------------------------------------------------------------------------------
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised in the child of :func:`run_isolated` (its ``__cause__``)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 def _run(function: Callable, args: tuple, kwargs: dict) -> bytes:
-    """Check the clean start, run the setting, check the release: the outcome, pickled."""
+    """Check the clean start, run the setting, check the release: the outcome and the setting's seconds, pickled."""
     try:
         allocated = _cuda_allocated()
         if allocated:
             raise AssertionError(f"{allocated:,} bytes of CUDA memory were allocated before the setting ran in a fresh "
                                  "process: the measurement would not start clean")
         _watched.clear()
+        start = time.perf_counter()
         result = function(*args, **kwargs)
-        alive = _alive_watched()
-        if alive:
-            raise SettingLeaked(
-                f"{function.__qualname__} returned but objects it registered with watch() are still alive: "
-                f"{'; '.join(alive)}. A setting measured after this one in the same process "
-                "would measure them too: drop every reference (callbacks kept after the run, reference cycles such "
-                "as a wrapped forward stored on its module)."
-            )
-        return pickle.dumps(("result", result), protocol=pickle.HIGHEST_PROTOCOL)
+        seconds = time.perf_counter() - start
+        _check_released(function.__qualname__)
+        return pickle.dumps(("result", result, seconds), protocol=pickle.HIGHEST_PROTOCOL)
     except BaseException as error:  # noqa: BLE001 - every failure goes to the parent, SystemExit included
         text = "".join(traceback.format_exception(error))
         try:
@@ -202,11 +342,11 @@ def _serve(connection) -> None:
     connection.close()
 
 
-# Where CUDA is, a setting's process is spawned (a forked child cannot use CUDA), and the next one is started
-# while a setting runs, so that its imports (10-20 s of torch, transformers and Lightning on a GPU machine) are
-# paid while the GPU is busy. Without CUDA (a dry run) it is forked: spawning would import them again for every
-# setting (minutes on a 2-core machine). Either way the setting goes to the child pickled, so what spawn cannot
-# run fails in a dry run too. This variable overrides the choice ("spawn" or "fork"), for tests.
+# Where CUDA is, a fresh process is spawned (a forked child cannot use CUDA), and with GPU_CHECK_ISOLATION=process
+# the next one is started while a setting runs, so that its imports are paid while the GPU is busy. Without CUDA
+# (a dry run) it is forked: spawning would import torch, transformers and Lightning again for every setting
+# (minutes on a 2-core machine). Either way the setting goes to the child pickled, so what spawn cannot run fails
+# in a dry run too. This variable overrides the choice ("spawn" or "fork"), for tests.
 START_METHOD_VARIABLE = "GPU_CHECK_START_METHOD"
 _spare: tuple[Any, Any, str] | None = None  # (process, connection, start method) of a child waiting for a setting
 
@@ -245,32 +385,10 @@ def _stop_spare() -> None:
         _spare = None
 
 
-def run_isolated(function: Callable, /, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
-    """``function(*args, **kwargs)`` in a fresh process; its return value, or its exception re-raised here.
-
-    Why: what a setting measures must be its own memory, not what earlier settings left in the process. The child
-    (``multiprocessing.get_context("spawn")``; forked without CUDA, see :data:`START_METHOD_VARIABLE`) starts
-    with nothing on the GPU (checked: ``torch.cuda.memory_allocated()`` is 0 before ``function`` runs) and ends
-    with everything the setting registered with :func:`watch` freed (checked, see :class:`SettingLeaked`).
-
-    ``function`` must be defined at module level in an importable module or in the script being run (it is
-    pickled by reference and its module imported in the child, its top level run again, not its ``if __name__
-    == "__main__"`` block); ``args``, ``kwargs`` and the return value must pickle (tensors do: move them to the
-    CPU first, or they come back on the GPU). The child's exception is raised again here with the child's
-    traceback as its ``__cause__``; an exception that does not pickle becomes a :class:`RuntimeError` with that
-    traceback. At ``timeout_s`` seconds (counted from when the setting is handed over) the child is killed and
-    :class:`TimeoutError` raised.
-
-    Example::
-
-        def measure_setting(seq_len: int, offload: bool) -> dict:  # at module level
-            model = build_model()
-            watch(model)
-            ...
-            return {"peak": torch.cuda.max_memory_allocated()}
-
-        figures = {offload: run_isolated(measure_setting, 32768, offload, timeout_s=60) for offload in (False, True)}
-    """
+def _run_in_child(
+    function: Callable, args: tuple, kwargs: dict, timeout_s: float | None, spare: bool
+) -> tuple[Any, float]:
+    """The setting in a fresh process: its result and the seconds the setting itself took there."""
     global _spare
     method = _start_method()
     if _spare is not None and _spare[2] == method and _spare[0].is_alive():
@@ -279,7 +397,7 @@ def run_isolated(function: Callable, /, *args: Any, timeout_s: float | None = No
     else:
         _stop_spare()
         process, connection, _ = _start_child(method)
-    if method == "spawn":
+    if spare and method == "spawn":
         _spare = _start_child(method)
     name = getattr(function, "__qualname__", repr(function))
     outcome = None
@@ -299,8 +417,74 @@ def run_isolated(function: Callable, /, *args: Any, timeout_s: float | None = No
             process.join(timeout=60)  # the result is in: a child that does not exit (a stuck thread) is not waited for
         _stop(process, connection)
     if outcome[0] == "result":
-        return outcome[1]
+        return outcome[1], outcome[2]
     _, error, text = outcome
     if error is None:
         raise RuntimeError(f"{name} failed in its own process:\n{text}")
     raise error from RemoteTraceback(f"\nIn the process running {name}:\n{text}")
+
+
+def run_isolated(
+    function: Callable, /, *args: Any, timeout_s: float | None = None, fresh: bool = False, **kwargs: Any
+) -> Any:
+    """``function(*args, **kwargs)``, isolated from every other setting; its return value, or its exception.
+
+    Why: what a setting measures must be its own memory, not what earlier settings left in the process, and a
+    process per setting costs 15-25 s on a GPU machine (imports, CUDA start, first kernels), so it runs in this
+    process when this process is proven clean (see :func:`_why_not_clean`: every object the previous setting
+    registered with :func:`watch` gone, CUDA memory allocated back at the floor of the libraries' own), and in a
+    fresh process otherwise, or when ``fresh=True`` (for what changes a process for good: the planner registers
+    its stand-in device in the process it runs in), or for every setting with the environment variable
+    ``GPU_CHECK_ISOLATION=process``. A setting run here also starts with the allocator's cache emptied, its
+    peak reset, no memory cap and no process group. Either way the objects registered with :func:`watch` must be
+    freed when ``function`` returns (see :class:`SettingLeaked`), and each setting is recorded (where it ran,
+    why, its seconds) for :func:`write` and printed on stderr.
+
+    ``function`` must be defined at module level in an importable module or in the script being run (it may be
+    pickled by reference to a spawned child, which imports its module again, running its top level, not its ``if
+    __name__ == "__main__"`` block); ``args``, ``kwargs`` and the return value must pickle, and are pickled in
+    this process too (tensors do: move them to the CPU first, or they come back on the GPU and keep the memory
+    off the floor). In a fresh process the child's exception is raised again here with the child's traceback as
+    its ``__cause__``; an exception that does not pickle becomes a :class:`RuntimeError` with that traceback. At
+    ``timeout_s`` seconds :class:`TimeoutError` is raised (in this process by ``SIGALRM``, which a native call
+    that never returns defers: the part's own limit in check.py still stops it; a fresh process is killed).
+
+    Example::
+
+        def measure_setting(seq_len: int, offload: bool) -> dict:  # at module level
+            model = build_model()
+            watch(model)
+            ...
+            return {"peak": torch.cuda.max_memory_allocated()}
+
+        figures = {offload: run_isolated(measure_setting, 32768, offload, timeout_s=60) for offload in (False, True)}
+    """
+    name = getattr(function, "__qualname__", repr(function))
+    shown = ", ".join([repr(arg) for arg in args] + [f"{key}={value!r}" for key, value in kwargs.items()])
+    shown = f"{name}({shown if len(shown) <= 80 else shown[:77] + '...'})"
+    every_fresh = os.environ.get(ISOLATION_VARIABLE) == "process"
+    reason = ("asked for" if fresh else f"{ISOLATION_VARIABLE}=process" if every_fresh else _why_not_clean())
+    start = time.perf_counter()
+    if reason is None:
+        floor = _cuda_allocated()
+        record = {"setting": name, "call": shown, "process": "this one",
+                  "detail": "proven clean" + (f": {floor:,} bytes allocated, the floor" if floor is not None else "")}
+        try:
+            result = _run_here(function, args, kwargs, timeout_s)
+        finally:
+            record["seconds"] = round(time.perf_counter() - start, 2)
+            _ran.append(record)
+            print(f"[setting] {shown}: {record['seconds']:.1f} s in this process ({record['detail']})",
+                  file=sys.stderr, flush=True)
+        return result
+    record = {"setting": name, "call": shown, "process": "fresh", "detail": reason}
+    try:
+        result, seconds = _run_in_child(function, args, kwargs, timeout_s, spare=every_fresh)
+        record["setting_s"] = round(seconds, 2)
+    finally:
+        record["seconds"] = round(time.perf_counter() - start, 2)
+        _ran.append(record)
+        print(f"[setting] {shown}: {record['seconds']:.1f} s in a fresh process ({reason})"
+              + (f", {record['setting_s']:.1f} s of it the setting's own" if "setting_s" in record else ""),
+              file=sys.stderr, flush=True)
+    return result

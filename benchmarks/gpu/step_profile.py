@@ -7,7 +7,8 @@ lognormal lengths (median 150, about 165 on average), one row per step, no check
 module's fused AdamW, gradient clipping at 1.0, attention as ``fit`` chooses it on the device
 (``varlen_by_document`` on CUDA). It ran 43,700 tokens/s there, 15.8% MFU; the target is 35%.
 
-Each setting runs in a fresh process of its own (``run_isolated``), so none measures what another left alive:
+Each setting is isolated from the others (``run_isolated``: in this process once proven clean, the plan in a
+fresh one), so none measures what another left alive:
 
 - ``plan``: the planner's predicted peak for the same fit arguments (``settings_from_config`` with the
   module, data and trainer arguments below, as ``lit-memtrain plan`` reads them), with the attention the plan
@@ -114,7 +115,8 @@ def packed_batches(settings: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def plan_fit(settings: dict[str, Any]) -> dict[str, Any]:
-    """The planner's peak for the fit's arguments (a process of its own: the planner's stand-in device)."""
+    """The planner's peak for the fit's arguments (in a fresh process: the planner registers its stand-in device
+    in the process it runs in)."""
     from lit_memtrain.planner.fit_config import settings_from_config
     from lit_memtrain.planner.plan import Planner, gpu_budget
 
@@ -173,7 +175,7 @@ def step_shares(events: list[Any], wall_us: float, on_gpu: bool) -> dict[str, fl
 
 
 def fit_ours(settings: dict[str, Any]) -> dict[str, Any]:
-    """Train the fit with Lightning, time it, profile one step; the figures as a dict (a fresh process)."""
+    """Train the fit with Lightning, time it, profile one step; the figures as a dict."""
     import torch
     from lightning.pytorch import Callback, Trainer
     from torch.profiler import ProfilerActivity, profile
@@ -334,7 +336,7 @@ def main() -> None:
         if not torch.cuda.is_available():
             sys.exit("benchmarks/gpu/step_profile.py needs a CUDA GPU and none is available: nothing was measured.")
     settings = _settings(args)
-    plan = run_isolated(plan_fit, settings, timeout_s=120)  # the next process imports meanwhile
+    plan = run_isolated(plan_fit, settings, timeout_s=120, fresh=True)  # the planner's stand-in device
     print(f"plan: {plan['peak_gib']:.2f} GiB, attention {plan['attention']}", flush=True)
     ours = run_isolated(fit_ours, settings, timeout_s=120)
     print(f"ours: {ours['tokens_per_s']:,.0f} tokens/s, MFU {ours['mfu']:.1%}, attention {ours['attention']}, "

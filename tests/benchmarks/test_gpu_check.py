@@ -122,8 +122,8 @@ def test_dry_run_without_the_optional_packages_runs_every_part_and_writes_the_re
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     report = json.loads((out / "report.json").read_text())
     parts = {part["name"]: part for part in report["parts"]}
-    assert list(parts) == ["gpu tests", "offload", "fsdp2", "context parallel", "planner", "step profile", "max length",
-                           "offload 36 layers", "packed attention", "grpo vllm"]
+    assert list(parts) == ["step profile", "context parallel", "planner", "max length", "offload 36 layers", "offload",
+                           "fsdp2", "gpu tests", "packed attention", "grpo vllm"]
     assert parts["grpo vllm"]["status"] == "skipped" and "vllm" in json.dumps(parts["grpo vllm"])  # not installed
     for name in ("gpu tests", "offload", "offload 36 layers", "packed attention", "planner", "step profile", "max length"):
         assert parts[name]["status"] == "passed", parts[name]
