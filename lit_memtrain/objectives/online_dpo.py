@@ -88,7 +88,8 @@ class OnlineDPOModule(OnlineRLModule):
         generation_backend, generation_options, gather_weights_for_generation: as for
             :class:`~lit_memtrain.objectives.grpo.GRPOModule` (``gather_weights_for_generation`` is TRL's
             ``ds3_gather_for_generation``; the vLLM backends are TRL's ``use_vllm`` with ``vllm_mode``).
-        gradient_accumulation_steps: batches per optimizer step.
+        gradient_accumulation_steps: batches per optimizer step, each batch's loss divided by it (TRL 1.16's
+            ``OnlineDPOTrainer`` sums the window's gradients instead, under transformers 5: docs/online_rl.md).
         max_grad_norm: clip the gradients' norm to this before each optimizer step (None: no clipping; TRL's 1.0).
         padding_free: score a batch's completions as one padding-free row; False: right-padded rows.
         disable_dropout: TRL's (default True, as its ``OnlineDPOConfig``): every dropout probability of the policy
