@@ -73,6 +73,7 @@ __all__ = [
     "norm_probes_on_real_tensors",
     "fake_causal_lm",
     "fixed_bytes",
+    "key_value_heads_repeated",
     "measure_peak",
     "measure_segments",
     "meta_causal_lm",
@@ -198,6 +199,24 @@ def _register_fused_kernels() -> None:
     _LIBRARIES.append(library)
 
 
+# Whether the simulated attention repeats grouped key/value heads first (see key_value_heads_repeated).
+_repeat_key_value_heads = False
+
+
+@contextlib.contextmanager
+def key_value_heads_repeated(repeat: bool) -> Iterator[None]:
+    """Simulate attention with a grouped-query model's key and value heads repeated to the query's count before
+    the kernel, when ``repeat``: what ``varlen_by_document`` does under a torch whose ``varlen_attn`` takes no
+    grouped heads (:func:`~lit_memtrain.techniques.attention.varlen_repeats_key_value_heads`). Each layer then
+    keeps the repeated key and value for its backward, not the grouped ones."""
+    global _repeat_key_value_heads
+    previous, _repeat_key_value_heads = _repeat_key_value_heads, repeat
+    try:
+        yield
+    finally:
+        _repeat_key_value_heads = previous
+
+
 def _flash_attention(
     module: torch.nn.Module,
     query: Tensor,
@@ -208,9 +227,13 @@ def _flash_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
-    """Causal attention through the O(L) CPU flash kernel; GQA heads are handled by the kernel."""
+    """Causal attention through the O(L) CPU flash kernel; GQA heads are handled by the kernel, or repeated first
+    inside :func:`key_value_heads_repeated`."""
     if attention_mask is not None:
         raise ValueError("The simulated attention supports causal attention without an attention mask only.")
+    if _repeat_key_value_heads and key.shape[1] != query.shape[1]:
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     output = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout, True, scale=scaling)
     return output[0].transpose(1, 2), None
 

@@ -24,7 +24,9 @@ What differs from a GPU run, on purpose:
   notes give the size of what an implementation would add (eager's scores, sdpa's dense masks). The
   implementation planned for is the one named, else the one ``fit`` chooses on a CUDA GPU when none is named
   (:func:`~lit_memtrain.techniques.attention.choose_document_attention`: ``varlen_by_document`` with this
-  torch, flash-attn's kernel where flash-attn is installed), whose memory that kernel's is.
+  torch, flash-attn's kernel where flash-attn is installed), whose memory that kernel's is; for
+  ``varlen_by_document`` under a torch whose ``varlen_attn`` takes no grouped heads, with the key and value heads
+  repeated first, as the fit does.
 - AdamW is fused, as ``configure_optimizers`` chooses on CUDA (the stand-in device is not CUDA).
 - Rows are full (``max_length`` tokens, every target trainable) and passed without ``position_ids`` (one
   document per row; transformers builds the same positions itself).
@@ -77,6 +79,7 @@ from lit_memtrain.planner.simulate import (
     STAND_IN_DEVICE,
     MemoryReport,
     fake_causal_lm,
+    key_value_heads_repeated,
     measure_segments,
     meta_causal_lm,
     norm_probes_on_real_tensors,
@@ -86,7 +89,11 @@ from lit_memtrain.planner.simulate import (
 from lit_memtrain.planner.techniques import is_technique
 from lit_memtrain.planner.tracker import Segment
 from lit_memtrain.objectives.probes import LogitTransform
-from lit_memtrain.techniques.attention import choose_document_attention
+from lit_memtrain.techniques.attention import (
+    VARLEN_BY_DOCUMENT,
+    choose_document_attention,
+    varlen_repeats_key_value_heads,
+)
 
 __all__ = ["StepSimulation", "planned_attention", "simulate_fit_step"]
 
@@ -328,7 +335,8 @@ def _simulate(settings: PlanSettings, model: _ModelPlan, max_length: int, layers
             module.setup_probes.assume_passed(document_attention=module.model.config._attn_implementation)
             notes += rank.notes
             buckets = _ddp_buckets(module, settings)
-            with tiles_simulated_once(), flash_sdpa():
+            repeated = attention == VARLEN_BY_DOCUMENT and varlen_repeats_key_value_heads()
+            with tiles_simulated_once(), flash_sdpa(), key_value_heads_repeated(repeated):
                 memory, segments = measure_segments(
                     lambda: _lightning_step(module, optimizer, rank.batch, callbacks, settings),
                     module,
@@ -345,7 +353,7 @@ def _simulate(settings: PlanSettings, model: _ModelPlan, max_length: int, layers
             module.trainer = None
     bucket_bytes = sum(bucket.nbytes for bucket in buckets)
     notes = [*_ddp_notes(settings, bucket_bytes), *notes]
-    notes += _attention_notes(settings, attention, max_length, model_config.num_attention_heads)
+    notes += _attention_notes(settings, attention, max_length, model_config)
     if settings.module_class == DPO_MODULE:
         notes.append(_reference_note(module.reference_mode))
     parameters = sum(param.numel() for param in module.model.parameters())
@@ -566,15 +574,23 @@ def _precision_context(precision: str) -> Iterator[None]:
         yield
 
 
-def _attention_notes(settings: PlanSettings, name: str, max_length: int, heads: int) -> list[str]:
+def _attention_notes(settings: PlanSettings, name: str, max_length: int, config: Any) -> list[str]:
     """Which attention ``name`` is when chosen as ``fit`` would choose it, and what it would add to the simulated
     O(L) kernel at ``max_length``."""
     notes = [] if settings.module.get("attn_implementation") else [
         f"Attention: {name!r}, what fit chooses on a CUDA GPU when none is named."
     ]  # fmt: skip
+    heads = config.num_attention_heads
     row = settings.sequences * max_length if settings.padding_free else max_length
     rows = 1 if settings.padding_free else settings.sequences
     square = rows * row * row
+    key_value_heads = getattr(config, "num_key_value_heads", None) or heads
+    if name == VARLEN_BY_DOCUMENT and key_value_heads != heads and varlen_repeats_key_value_heads():
+        notes.append(
+            f"varlen_attn of torch {torch.__version__} takes no grouped key/value heads: varlen_by_document repeats "
+            f"the {key_value_heads} key and value heads to {heads} in every layer, and each layer keeps the repeated "
+            "ones for its backward (simulated)."
+        )
     if name == "eager":
         notes.append(
             f"attn_implementation='eager' materialises heads x L x L attention scores: "

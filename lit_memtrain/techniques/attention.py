@@ -118,6 +118,14 @@ def _find_varlen_kernel() -> tuple[Callable[..., Tensor], dict[str, Any], bool] 
 _VARLEN_KERNEL = _find_varlen_kernel()
 
 
+def varlen_repeats_key_value_heads() -> bool:
+    """Whether :data:`varlen_by_document` repeats a grouped-query model's key and value heads to the query's
+    count before torch's ``varlen_attn``: where this torch's ``varlen_attn`` takes no ``enable_gqa`` (torch 2.11's
+    has none). Then each layer keeps the repeated key and value for the backward, ``query_heads / key_value_heads``
+    times their size: what the planner simulates too."""
+    return _VARLEN_KERNEL is not None and not _VARLEN_KERNEL[2]
+
+
 def _varlen_runs(query: Tensor, dropout: float) -> bool:
     """``varlen_attn`` is a flash kernel: CUDA, fp16 or bf16, head_dim up to 256, no dropout."""
     return (

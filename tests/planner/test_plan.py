@@ -228,6 +228,43 @@ def test_a_named_attention_is_planned_as_named():
     assert planned_attention(unnamed, model) in ("varlen_by_document", "flash_attention_2")
 
 
+_REPEATED_KEY_VALUE_HEADS = """
+import json, sys
+import lit_memtrain.techniques.attention as attention
+from lit_memtrain.planner.plan import Budget, Planner
+from lit_memtrain.planner.settings import PlanSettings
+
+kernel, causal, _ = attention._VARLEN_KERNEL or (None, {}, True)
+results = {}
+for takes_groups in (True, False):  # a varlen_attn with enable_gqa (torch 2.13), and one without (torch 2.11)
+    attention._VARLEN_KERNEL = (kernel, causal, takes_groups)
+    settings = PlanSettings(module={"preset": "tiny-qwen3", "config_overrides": {"num_hidden_layers": 3}},
+                            precision="bf16-true", max_length=4096)
+    step = Planner(settings, Budget(2**40), progress=lambda line: None).simulate()
+    results[str(takes_groups)] = {"peak": step.memory.device_peak, "attention": step.attention,
+                                  "notes": list(step.notes)}
+print(json.dumps(results))
+"""
+
+
+def test_varlen_without_grouped_heads_is_planned_with_the_repeated_key_and_value_the_fit_keeps(preloaded_python):
+    """Under a torch whose varlen_attn takes no enable_gqa, varlen_by_document repeats the key/value heads (2 -> 4
+    here) and each layer keeps the repeated ones for its backward: 3 layers x (key + value) x 4096 tokens x 2 more
+    heads x 16 dimensions x 2 bytes more at the peak, and a note saying so."""
+    import importlib.util
+
+    if importlib.util.find_spec("flash_attn"):
+        pytest.skip("with flash-attn installed, fit chooses flash_attention_2, not varlen_by_document")
+    result = preloaded_python.run("-c", _REPEATED_KEY_VALUE_HEADS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    grouped, repeated = (json.loads(result.stdout.strip().splitlines()[-1])[key] for key in ("True", "False"))
+    assert grouped["attention"] == repeated["attention"] == "varlen_by_document"
+    assert repeated["peak"] - grouped["peak"] == 3 * 2 * 4096 * (4 - 2) * 16 * 2
+    note = [note for note in repeated["notes"] if "takes no grouped key/value heads" in note]
+    assert len(note) == 1 and "repeats the 2 key and value heads to 4 in every layer" in note[0]
+    assert not any("grouped key/value" in note for note in grouped["notes"])
+
+
 def test_ddp_adds_one_copy_of_the_gradients(simulated):
     ddp, single = simulated["three_ddp"], simulated["three"]
     assert ddp["breakdown"]["gradients"] == 2 * single["breakdown"]["gradients"]
