@@ -175,6 +175,37 @@ def test_cuda_bf16_packed_row_and_gradients_match_sdpa(ours: str) -> None:
     torch.testing.assert_close(results[ours][1], results["sdpa"][1], atol=3e-2, rtol=5e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_varlen_attn_with_grouped_heads_as_given_equals_them_repeated() -> None:
+    """A fact for the next step, not yet a behaviour: where ``varlen_attn`` takes no ``enable_gqa`` (torch 2.11),
+    varlen_by_document repeats the key/value heads (a layer's key and value kept twice over for Qwen3's 2 groups;
+    the planner simulates it). If the flash kernel takes grouped heads as given and computes the same, the repeat
+    can go; this records whether it does (with ``enable_gqa`` where the signature has it)."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    from lit_memtrain.techniques.attention import varlen_repeats_key_value_heads
+
+    parameters = inspect.signature(varlen_attn).parameters
+    causal = {"window_size": (-1, 0)} if "window_size" in parameters else {"is_causal": True}
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    query = torch.randn(300, 8, 64, device="cuda", dtype=torch.bfloat16, generator=generator, requires_grad=True)
+    key, value = (torch.randn(300, 4, 64, device="cuda", dtype=torch.bfloat16, generator=generator,
+                              requires_grad=True) for _ in range(2))  # fmt: skip
+    starts = torch.tensor([0, 120, 300], device="cuda", dtype=torch.int32)
+    grouped = {} if varlen_repeats_key_value_heads() else {"enable_gqa": True}
+    given = varlen_attn(query, key, value, starts, starts, 180, 180, **causal, **grouped)
+    repeated = varlen_attn(query, key.repeat_interleave(2, dim=1), value.repeat_interleave(2, dim=1), starts, starts,
+                           180, 180, **causal)  # fmt: skip
+    gradients = [torch.autograd.grad(out.float().square().sum(), (query, key, value)) for out in (given, repeated)]
+    torch.testing.assert_close(given, repeated, atol=1e-2, rtol=1e-2)
+    for ours, theirs in zip(*gradients):
+        torch.testing.assert_close(ours, theirs, atol=2e-2, rtol=2e-2)
+
+
 def test_grouped_heads_wider_than_256_and_empty_documents() -> None:
     model = build_model(SDPA_BY_DOCUMENT, head_dim=288, num_attention_heads=4, num_key_value_heads=2)
     reference = build_model("sdpa", head_dim=288, num_attention_heads=4, num_key_value_heads=2)
