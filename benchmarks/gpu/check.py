@@ -76,7 +76,7 @@ PARTS: tuple[Part, ...] = (
     Part("context parallel", "context_parallel.py", limit_s=70, optional=True),
     Part("planner", "planner_vs_measured.py", limit_s=120,
          args=("--seq-lens", "16384", "32768", "65536", "131072", "--tolerance", "0.05")),
-    Part("max length", "max_length.py", limit_s=110, args=("--time-budget-s", "80")),
+    Part("max length", "max_length.py", limit_s=150, args=("--time-budget-s", "100")),
     Part("offload 36 layers", "offload.py", limit_s=90,
          args=("--layers", "36", "--steps", "2", "--seq-len", "16384", "--plain-seq-len", "2048")),
     Part("offload", "offload.py", limit_s=60, args=("--layers", "4", "--steps", "2")),
