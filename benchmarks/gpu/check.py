@@ -64,8 +64,9 @@ class Part:
     optional: bool = False
 
 
-# Order: first what no GPU run has measured yet (the step profile, context parallelism, the planner at 64k and 128k,
-# the longest length under a cap, offloading at 36 layers), then what the second run confirmed. Limits: on one H200
+# Order: first what no GPU run has measured yet (the step profile, eager then with compiled layers, context
+# parallelism, the planner at 64k and 128k, the longest length under a cap, offloading at 36 layers), then what the
+# second run confirmed. Limits: on one H200
 # on 2026-12-04, with a fresh process per setting, the parts took 40 s (gpu tests) to 110 s for half the planner's
 # configurations, 15-25 s a setting of it spawn, imports and CUDA's start; settings now run in the part's own
 # process once proven clean (results.run_isolated), which leaves a part's start (imports, CUDA, the libraries'
@@ -73,6 +74,7 @@ class Part:
 # the parts' seconds and each setting's are in the report.
 PARTS: tuple[Part, ...] = (
     Part("step profile", "step_profile.py", limit_s=120),
+    Part("step profile compiled", "step_profile.py", limit_s=150, args=("--compile",)),
     Part("context parallel", "context_parallel.py", limit_s=70, optional=True),
     Part("planner", "planner_vs_measured.py", limit_s=120,
          args=("--seq-lens", "16384", "32768", "65536", "131072", "--tolerance", "0.05")),

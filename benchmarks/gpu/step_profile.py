@@ -64,7 +64,9 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "preset": args.preset, "max_length": args.max_length, "rows": args.warmup_steps + args.steps + 1,
         "warmup_steps": args.warmup_steps, "steps": args.steps, "median_length": args.median_length,
         "device": "cpu" if args.dry_run else "cuda", "precision": "32-true" if args.dry_run else "bf16-true",
-        "dtype": "float32" if args.dry_run else "bfloat16", "seed": 0,
+        "dtype": "float32" if args.dry_run else "bfloat16", "seed": 0, "compile": args.compile,
+        # The dry run captures the graphs without inductor's code generation (a minute on 2 cores).
+        "compile_backend": "aot_eager" if args.dry_run else "inductor",
     }  # fmt: skip
 
 
@@ -181,6 +183,7 @@ def fit_ours(settings: dict[str, Any]) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
     from torch.utils.data import DataLoader
 
+    from lit_memtrain.callbacks import CompiledLayers
     from lit_memtrain.cli.progress import StepProgressBar
     from lit_memtrain.objectives.causal_lm import CausalLMModule
     from lit_memtrain.objectives.throughput import attention_pairs, count_tokens, peak_flops, training_flops
@@ -223,12 +226,13 @@ def fit_ours(settings: dict[str, Any]) -> dict[str, Any]:
                 self.profiler.stop()
 
     measure = Measure()
+    compiled = [CompiledLayers(backend=settings["compile_backend"])] if settings["compile"] else []
     config = fit_config(settings)
     module = CausalLMModule(**config["model"], warmup=0.0, min_lr_ratio=1.0)
     trainer = Trainer(
         accelerator="gpu" if cuda else "cpu", devices=1, max_steps=len(batches), logger=False,
         enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-        log_every_n_steps=warmup + steps, callbacks=[measure, StepProgressBar()], **config["trainer"],
+        log_every_n_steps=warmup + steps, callbacks=[measure, StepProgressBar()] + compiled, **config["trainer"],
     )  # fmt: skip
     trainer.fit(module, DataLoader(batches, batch_size=None))
     if measure.profiler is None:
@@ -318,6 +322,35 @@ def fit_trl(settings: dict[str, Any], data_dir: str) -> dict[str, Any]:
             "tokens_per_step": sum(timed) / steps}  # fmt: skip
 
 
+def compiled_only(args: argparse.Namespace, settings: dict[str, Any]) -> None:
+    """``--compile``: the same fit with every decoder layer compiled (its warm-up steps take the compilation and the
+    recompilation for a new document count), its speed and profiled step; the eager fit, TRL and the plan are the
+    part without ``--compile``."""
+    ours = run_isolated(fit_ours, settings, timeout_s=300)
+    print(f"ours, compiled layers: {ours['tokens_per_s']:,.0f} tokens/s, MFU {ours['mfu']:.1%}, attention "
+          f"{ours['attention']}, peak {ours['peak_gib']:.2f} GiB", flush=True)
+    shares = ours["shares"]
+    tables = [
+        table(f"{args.preset}, {args.max_length:,}-token packed rows (median document {args.median_length}), batch 1, "
+              f"{settings['precision']}, no checkpointing, chunked loss, fused AdamW, every decoder layer compiled "
+              f"(CompiledLayers); {args.steps} timed steps after {args.warmup_steps} warm-up",
+              ["run", "attention", "tokens/step", "s/step", "tokens/s", "MFU", "MFU (6N only)",
+               "MFU logged by the module", "peak GiB"],
+              [["lit-memtrain fit, compiled layers", ours["attention"], ours["tokens_per_step"], ours["step_s"],
+                ours["tokens_per_s"], ours["mfu"], ours["mfu_6n"], ours["logged_mfu"], ours["peak_gib"]]]),
+        table(f"One profiled step of ours, compiled ({ours['profiled_step_s']:.3f} s): share of its wall time",
+              ["where", "share"], [[name, shares[name]] for name in SHARES]),
+    ]  # fmt: skip
+    checks = [] if args.dry_run else [
+        check("ours, compiled, logged an MFU (train/device/mfu) on this GPU", not math.isnan(ours["logged_mfu"]),
+              f"logged {ours['logged_mfu']:.3f}, measured here {ours['mfu']:.3f}"),
+    ]  # fmt: skip
+    summary = (f"compiled layers: {ours['tokens_per_s']:,.0f} tokens/s, MFU {ours['mfu']:.1%}, "
+               f"peak {ours['peak_gib']:.2f} GiB")
+    passed = write(args.json, summary=summary, tables=tables, checks=checks, config=settings)
+    sys.exit(0 if passed else 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="qwen3-0.6b")
@@ -326,6 +359,8 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8, help="timed steps (then one profiled step)")
     parser.add_argument("--tolerance", type=float, default=0.05, help="largest |measured / planned peak - 1|")
+    parser.add_argument("--compile", action="store_true",
+                        help="ours with CompiledLayers (torch.compile of each decoder layer) only: no plan, no TRL")
     add_arguments(parser)
     args = parser.parse_args()
     if args.dry_run:
@@ -336,6 +371,9 @@ def main() -> None:
         if not torch.cuda.is_available():
             sys.exit("benchmarks/gpu/step_profile.py needs a CUDA GPU and none is available: nothing was measured.")
     settings = _settings(args)
+    if args.compile:
+        compiled_only(args, settings)
+        return
     plan = run_isolated(plan_fit, settings, timeout_s=120, fresh=True)  # the planner's stand-in device
     print(f"plan: {plan['peak_gib']:.2f} GiB, attention {plan['attention']}", flush=True)
     ours = run_isolated(fit_ours, settings, timeout_s=120)

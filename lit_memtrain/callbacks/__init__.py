@@ -7,6 +7,7 @@ The technique callbacks exported here describe themselves to the memory planner
 from lit_memtrain.callbacks.activation_offloading import ActivationOffloading
 from lit_memtrain.callbacks.allocator_settings import AllocatorSettings
 from lit_memtrain.callbacks.chunked_rms_norm import ChunkedRMSNorm
+from lit_memtrain.callbacks.compiled_layers import CompiledLayers
 from lit_memtrain.callbacks.exact_answer_accuracy import ExactAnswerAccuracy
 from lit_memtrain.callbacks.gradient_checkpointing import GradientCheckpointing
 from lit_memtrain.callbacks.memory_bounded_throughput import MemoryBoundedThroughput
@@ -29,6 +30,7 @@ __all__ = [
     "AllocatorSettings",
     "ChunkedRMSNorm",
     "CompareRow",
+    "CompiledLayers",
     "ExactAnswerAccuracy",
     "GradientCheckpointing",
     "MemoryBoundedThroughput",

@@ -8,18 +8,17 @@ holding a Hugging Face causal LM. The norms are found and probed when the fit st
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from lit_memtrain.callbacks.restored_at_fit_end import RestoredAtFitEnd
 from lit_memtrain.callbacks.technique_description import CompareRow, Suggestion, TechniqueDescription
 from lit_memtrain.techniques.rms_norm import DEFAULT_CHUNK_ELEMENTS, apply_chunked_rms_norm, validate_chunk_elements
 
 __all__ = ["ChunkedRMSNorm"]
 
 
-class ChunkedRMSNorm(Callback):
+class ChunkedRMSNorm(RestoredAtFitEnd):
     """Memory-efficient RMSNorms during ``fit``: fp32 over chunks of tokens, saving the input and ``rstd`` only.
 
     Every module whose class is named ``*RMSNorm`` and whose output a probe at fit start shows equal to the
@@ -37,7 +36,6 @@ class ChunkedRMSNorm(Callback):
     def __init__(self, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> None:
         validate_chunk_elements(chunk_elements)
         self.chunk_elements = chunk_elements
-        self._restore: Callable[[], None] | None = None
 
     def describe_for_planner(self) -> TechniqueDescription:
         """Chunked RMSNorms for ``lit-memtrain plan``: the last row of ``--compare``, on the row above it; suggested
@@ -72,14 +70,3 @@ class ChunkedRMSNorm(Callback):
             f"ChunkedRMSNorm: {len(replaced)} norms ({', '.join(sorted(set(replaced)))}) replaced by fp32 chunks of "
             f"{self.chunk_elements:,} elements"
         )
-
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._undo()
-
-    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        self._undo()
-
-    def _undo(self) -> None:
-        if self._restore is not None:
-            self._restore()
-            self._restore = None

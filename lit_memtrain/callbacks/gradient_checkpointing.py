@@ -11,21 +11,20 @@ What each mode keeps, and the transforms themselves: :mod:`lit_memtrain.techniqu
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from transformers import PretrainedConfig
 
 from lit_memtrain.callbacks.activation_offloading import ActivationOffloading
+from lit_memtrain.callbacks.restored_at_fit_end import RestoredAtFitEnd
 from lit_memtrain.callbacks.technique_description import CompareRow, Suggestion, TechniqueDescription
-from lit_memtrain.models.layers import find_decoder_layers
+from lit_memtrain.models.layers import find_decoder_layers, validate_layers_path
 from lit_memtrain.techniques.checkpointing import apply_checkpointing
 
 __all__ = ["GradientCheckpointing"]
 
 
-class GradientCheckpointing(Callback):
+class GradientCheckpointing(RestoredAtFitEnd):
     """Non-reentrant activation checkpointing of each decoder layer during ``fit``.
 
     Args:
@@ -44,14 +43,10 @@ class GradientCheckpointing(Callback):
         for name, value in (("selective", selective), ("offload", offload)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be True or False, got {value!r}.")
-        if layers_path is not None and (not isinstance(layers_path, str) or not layers_path):
-            raise ValueError(
-                f"layers_path must be a dotted attribute path such as 'model.model.layers', got {layers_path!r}."
-            )
+        validate_layers_path(layers_path)
         self.selective = selective
         self.offload = offload
         self.layers_path = layers_path
-        self._restore: Callable[[], None] | None = None
         self._caching_configs: list[PretrainedConfig] = []
 
     def describe_for_planner(self) -> TechniqueDescription:
@@ -108,16 +103,8 @@ class GradientCheckpointing(Callback):
         for config in self._caching_configs:
             config.use_cache = False
 
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._undo()
-
-    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        self._undo()
-
     def _undo(self) -> None:
-        if self._restore is not None:
-            self._restore()
-            self._restore = None
+        super()._undo()
         for config in self._caching_configs:
             config.use_cache = True
         self._caching_configs = []

@@ -11,19 +11,18 @@ the router runs whole): :mod:`lit_memtrain.techniques.tiled_mlp`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
+from lit_memtrain.callbacks.restored_at_fit_end import RestoredAtFitEnd
 from lit_memtrain.callbacks.technique_description import CompareRow, Suggestion, TechniqueDescription
-from lit_memtrain.models.layers import find_decoder_layers
+from lit_memtrain.models.layers import find_decoder_layers, validate_layers_path
 from lit_memtrain.techniques.tiled_mlp import apply_tiled_mlp, validate_num_tiles
 
 __all__ = ["TiledMLP"]
 
 
-class TiledMLP(Callback):
+class TiledMLP(RestoredAtFitEnd):
     """Sequence-tiled MLPs in every decoder layer during ``fit`` (ALST's tiled MLP).
 
     Args:
@@ -39,13 +38,9 @@ class TiledMLP(Callback):
 
     def __init__(self, num_tiles: int | None = None, layers_path: str | None = None) -> None:
         validate_num_tiles(num_tiles)
-        if layers_path is not None and (not isinstance(layers_path, str) or not layers_path):
-            raise ValueError(
-                f"layers_path must be a dotted attribute path such as 'model.model.layers', got {layers_path!r}."
-            )
+        validate_layers_path(layers_path)
         self.num_tiles = num_tiles
         self.layers_path = layers_path
-        self._restore: Callable[[], None] | None = None
 
     def describe_for_planner(self) -> TechniqueDescription:
         """Tiled MLPs for ``lit-memtrain plan``: compared after the chunked loss, suggested after it."""
@@ -64,14 +59,3 @@ class TiledMLP(Callback):
         self._restore = apply_tiled_mlp(layers, self.num_tiles)
         tiles = f"{self.num_tiles} tiles per call" if self.num_tiles else "tiles of about max(hidden size, 1024) tokens"
         rank_zero_info(f"TiledMLP: the MLPs of {len(layers)} decoder layers tiled along the sequence ({tiles})")
-
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._undo()
-
-    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        self._undo()
-
-    def _undo(self) -> None:
-        if self._restore is not None:
-            self._restore()
-            self._restore = None

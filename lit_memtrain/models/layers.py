@@ -64,6 +64,14 @@ def find_decoder_layers(model: nn.Module, path: str | None = None) -> nn.ModuleL
     return candidates[0][1]
 
 
+def validate_layers_path(layers_path: str | None) -> None:
+    """Check ``layers_path`` as the layer callbacks take it: ``None`` (found automatically) or a dotted path."""
+    if layers_path is not None and (not isinstance(layers_path, str) or not layers_path):
+        raise ValueError(
+            f"layers_path must be a dotted attribute path such as 'model.model.layers', got {layers_path!r}."
+        )
+
+
 def wrap_forwards(
     modules: Sequence[nn.Module], wrap: Callable[[nn.Module, Callable[..., Any]], Callable[..., Any]]
 ) -> Callable[[], None]:

@@ -360,7 +360,9 @@ def choose_document_attention(model: torch.nn.Module, device: torch.device, half
 
 varlen_by_document = functools.partial(sdpa_by_document, varlen=True)
 
-AttentionInterface.register(SDPA_BY_DOCUMENT, sdpa_by_document)
+# Graph capture (torch.compile, CompiledLayers) runs them eagerly: they read the documents' bounds on the host,
+# which a captured graph would specialise on, compiling again for every new packing.
+AttentionInterface.register(SDPA_BY_DOCUMENT, torch.compiler.disable(sdpa_by_document))
 AttentionMaskInterface.register(SDPA_BY_DOCUMENT, _mask_or_document_ids)
-AttentionInterface.register(VARLEN_BY_DOCUMENT, varlen_by_document)
+AttentionInterface.register(VARLEN_BY_DOCUMENT, torch.compiler.disable(varlen_by_document))
 AttentionMaskInterface.register(VARLEN_BY_DOCUMENT, _mask_or_document_ids)

@@ -122,10 +122,11 @@ def test_dry_run_without_the_optional_packages_runs_every_part_and_writes_the_re
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     report = json.loads((out / "report.json").read_text())
     parts = {part["name"]: part for part in report["parts"]}
-    assert list(parts) == ["step profile", "context parallel", "planner", "max length", "offload 36 layers", "offload",
-                           "fsdp2", "gpu tests", "packed attention", "grpo vllm"]
+    assert list(parts) == ["step profile", "step profile compiled", "context parallel", "planner", "max length",
+                           "offload 36 layers", "offload", "fsdp2", "gpu tests", "packed attention", "grpo vllm"]
     assert parts["grpo vllm"]["status"] == "skipped" and "vllm" in json.dumps(parts["grpo vllm"])  # not installed
-    for name in ("gpu tests", "offload", "offload 36 layers", "packed attention", "planner", "step profile", "max length"):
+    for name in ("gpu tests", "offload", "offload 36 layers", "packed attention", "planner", "step profile",
+                 "step profile compiled", "max length"):
         assert parts[name]["status"] == "passed", parts[name]
         assert all(item["passed"] for item in parts[name]["result"]["checks"])
     for name, script in (("fsdp2", "fsdp2.py"), ("context parallel", "context_parallel.py")):
@@ -147,6 +148,8 @@ def test_dry_run_without_the_optional_packages_runs_every_part_and_writes_the_re
     assert [row[0] for row in shares][:4] == ["attention", "matmul", "chunked loss", "optimizer"]
     assert 0.99 < sum(row[1] for row in shares) < 1.01 and all(row[1] >= 0 for row in shares)
     assert memory[0][0] > 0 and memory[0][2] is None  # planned; nothing measured on the CPU
+    compiled = parts["step profile compiled"]["result"]["tables"][0]["rows"]
+    assert compiled[0][0] == "lit-memtrain fit, compiled layers" and compiled[0][4] > 0
     lengths = parts["max length"]["result"]["tables"][0]["rows"]
     assert [row[0] for row in lengths] == ["+ chunked loss"] and lengths[0][2] >= 1024 and lengths[0][3] == lengths[0][2]
 
