@@ -7,13 +7,13 @@ LightningModule holding a Hugging Face causal LM. The layers are found when the 
 What is compiled and why per layer: :mod:`lit_memtrain.techniques.compiled_layers`. What it is for: speed on a
 GPU, where a small model's eager step launches its elementwise work kernel by kernel; memory is planned as eager
 (``lit-memtrain plan`` does not simulate it). Refused with what it is not shown to compose with (the memory
-technique callbacks, sharded strategies): a compiled layer must give the eager layer's gradients.
+technique callbacks, strategies of several processes): a compiled layer must give the eager layer's gradients.
 """
 
 from __future__ import annotations
 
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_memtrain.callbacks.activation_offloading import ActivationOffloading
@@ -30,7 +30,7 @@ _NOT_COMPOSED = (GradientCheckpointing, TiledMLP, ChunkedRMSNorm, ActivationOffl
 
 
 class CompiledLayers(RestoredAtFitEnd):
-    """``torch.compile`` of each decoder layer during ``fit``, on one device or under DDP.
+    """``torch.compile`` of each decoder layer during ``fit``, on one device.
 
     Args:
         mode: ``torch.compile``'s mode among those without CUDA graphs: ``None`` (its default),
@@ -74,10 +74,10 @@ class CompiledLayers(RestoredAtFitEnd):
                 f"CompiledLayers does not run with {', '.join(others)}: compiling through a memory technique is not "
                 "shown to give the same gradients. Remove CompiledLayers, or the technique."
             )
-        if type(trainer.strategy) not in (SingleDeviceStrategy, DDPStrategy):
+        if type(trainer.strategy) is not SingleDeviceStrategy:
             raise ValueError(
-                f"CompiledLayers runs on one device or under DDP, not under {type(trainer.strategy).__name__}: "
-                "compiling sharded layers is not shown to give the same gradients."
+                f"CompiledLayers runs on one device, not under {type(trainer.strategy).__name__}: compiled layers "
+                "under several processes are not shown to give one process's gradients yet."
             )
         try:
             layers = find_decoder_layers(pl_module, self.layers_path)

@@ -17,8 +17,8 @@ packing. The layer is captured as two graphs, before and after attention.
 Composition is not assumed: layers whose ``forward`` (or a submodule's) another technique already wrapped are
 refused, as is transformers' own gradient checkpointing. Checkpointing around a compiled layer, for one, fell
 back to eager in a first try (the checkpoint region cannot contain the side effect of transformers' kernel-hub
-decorator). :class:`~lit_memtrain.callbacks.CompiledLayers` refuses the technique callbacks and sharded
-strategies the same way.
+decorator). :class:`~lit_memtrain.callbacks.CompiledLayers` refuses the technique callbacks and strategies of
+several processes the same way.
 
 Example::
 

@@ -5,10 +5,13 @@ autograd, without inductor's code generation, minutes on 2 cores); inductor runs
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import lightning as L
 import pytest
 import torch
 from equivalence import TINY_MODEL_TERMS, assert_each_equal_up_to_rounding
+from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
 from lit_memtrain import CausalLMModule
@@ -97,6 +100,9 @@ def test_what_it_does_not_compose_with_is_refused():
     module = CausalLMModule(preset="tiny-qwen3")
     with pytest.raises(ValueError, match="CompiledLayers does not run with GradientCheckpointing: compiling through"):
         trainer.fit(module, DataLoader(_packed_rows(1), batch_size=None))
+    several_processes = SimpleNamespace(callbacks=[], strategy=DDPStrategy())  # what on_fit_start reads of a trainer
+    with pytest.raises(ValueError, match="CompiledLayers runs on one device, not under DDPStrategy"):
+        CompiledLayers().on_fit_start(several_processes, module)
     layers = find_decoder_layers(module)
     restore = apply_tiled_mlp(layers)  # a technique applied without its callback
     with pytest.raises(ValueError, match=r"another technique already wrapped layers\.0\.mlp, layers\.1\.mlp"):
