@@ -155,6 +155,27 @@ MUTATIONS: tuple[Mutation, ...] = (
               "        self._stop()\n\n    def on_train_batch_end(\n"),),
         GRPO_MEMORY,
     ),
+    Mutation(
+        "planner: varlen_by_document's repeated key/value heads not simulated (torch 2.11's varlen_attn)",
+        (Edit("lit_memtrain/planner/simulate.py", "    if _repeat_key_value_heads and key.shape[1] != query.shape[1]:\n",
+              "    if False:\n"),),
+        ("tests/planner/test_plan.py::test_varlen_without_grouped_heads_is_planned_with_the_repeated_key_and_value_the"
+         "_fit_keeps",),
+    ),
+    Mutation(
+        "compiled layers: the document-aware attention captured in the graphs (specialised on each packing)",
+        (Edit("lit_memtrain/techniques/attention.py",
+              "AttentionInterface.register(SDPA_BY_DOCUMENT, torch.compiler.disable(sdpa_by_document))",
+              "AttentionInterface.register(SDPA_BY_DOCUMENT, sdpa_by_document)"),),
+        ("tests/callbacks/test_compiled_layers.py::test_one_compilation_serves_every_layer_and_attention_stays_out_of"
+         "_the_graphs",),
+    ),
+    Mutation(
+        "compiled layers: compiled through another technique's wrapped forward",
+        (Edit("lit_memtrain/techniques/compiled_layers.py", "    wrapped = wrapped_forwards(layers)\n",
+              "    wrapped = []\n"),),
+        ("tests/callbacks/test_compiled_layers.py::test_what_it_does_not_compose_with_is_refused",),
+    ),
     *(
         Mutation(
             f"{technique} skipped for {objective}",
