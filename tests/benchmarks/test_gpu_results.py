@@ -66,6 +66,19 @@ def kept_despite_the_collector():
     KEPT.append(model)
 
 
+def sets_a_variable_and_starts_a_process_group(port):
+    import torch.distributed as dist
+
+    os.environ["GPU_CHECK_TEST_VARIABLE"] = "set"  # as Lightning sets MASTER_PORT
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=0, world_size=1)
+
+
+def what_it_finds():
+    import torch.distributed as dist
+
+    return {{"variable": os.environ.get("GPU_CHECK_TEST_VARIABLE"), "process group": dist.is_initialized()}}
+
+
 def fails():
     model = Model()
     watch(model, "the model")
@@ -93,6 +106,12 @@ def main():
     except TimeoutError as error:
         print("TIMEOUT", error, time.perf_counter() - start < 20)
     print("COLLECTED", run_isolated(freed_by_the_collector))
+    import socket
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    run_isolated(sets_a_variable_and_starts_a_process_group, port)
+    print("FOUND", json.dumps(run_isolated(what_it_finds)))
     for leaking in (leaks_through_a_cycle, leaks_through_a_global):
         try:
             run_isolated(leaking)
@@ -128,6 +147,7 @@ def _common_outcomes(lines: list[str]) -> None:
     assert "RAISED no such setting: 3 | True" in lines
     assert any(line.startswith("TIMEOUT hangs did not finish within 2 s") and line.endswith("True") for line in lines)
     assert "COLLECTED collected" in lines
+    assert 'FOUND {"variable": null, "process group": false}' in lines  # neither outlives the setting that made them
     leaks = [line for line in lines if line.startswith("LEAK")]
     assert len(leaks) == 2, lines
     assert leaks[0].startswith("LEAK leaks_through_a_cycle ") and "the model (referred to by: " in leaks[0]
@@ -145,7 +165,8 @@ def test_settings_run_in_the_parts_process_while_proven_clean_and_in_a_fresh_one
     assert "SCRIPT IMPORTED AGAIN False" in lines
     where = [(item["setting"], item["process"]) for item in settings]
     assert where == [("setting", "this one"), ("setting", "this one"), ("fails", "this one"), ("hangs", "this one"),
-                     ("freed_by_the_collector", "this one"), ("leaks_through_a_cycle", "this one"),
+                     ("freed_by_the_collector", "this one"), ("sets_a_variable_and_starts_a_process_group", "this one"),
+                     ("what_it_finds", "this one"), ("leaks_through_a_cycle", "this one"),
                      ("leaks_through_a_global", "this one"), ("kept_despite_the_collector", "fresh")]  # fmt: skip
     # The cycle's model was freed by the collector before the next setting; the global's never is: every setting
     # after it runs elsewhere, with the reason.
