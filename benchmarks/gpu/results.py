@@ -194,10 +194,13 @@ def _library_floor() -> int:
     """Create what CUDA libraries keep for the life of a process, and return the bytes allocated then.
 
     Why: cuBLAS and cuBLASLt workspaces are taken from the caching allocator at a thread's first matrix product
-    on a stream and never given back, so ``memory_allocated`` after a first setting stays above 0 with nothing of
-    the setting alive. Made here, before any setting (products forward and backward, on this thread and on
-    autograd's device thread, in fp32 and bf16, with and without a bias), they become the floor every later setting
-    must find again. A setting that makes more of them (a product on a stream of its own) leaves memory above the
+    on a stream and kept, so ``memory_allocated`` after a first setting stays above 0 with nothing of the setting
+    alive. Made here, before any setting (products forward and backward, on this thread and on autograd's device
+    thread, in fp32 and bf16, with and without a bias), they become the floor every later setting must find again.
+    Made again before each later comparison: Lightning frees them at the start and end of every fit on a GPU
+    (``CUDAAccelerator.setup``/``teardown`` call ``torch._C._cuda_clearCublasWorkspaces``), which would leave
+    ``memory_allocated`` below the floor after every Lightning setting. Made again, they need nothing new where
+    they exist. A setting that makes more of them (a product on a stream of its own) leaves memory above the
     floor: the next setting then runs in a fresh process, which is slower, never wrong."""
     import torch
 
@@ -245,6 +248,7 @@ def _why_not_clean() -> str | None:
             return f"{allocated:,} bytes of CUDA memory allocated in this process before its first setting"
         _floor = _library_floor()
         return None
+    allocated = _library_floor()  # the workspaces a setting's library freed (Lightning's fits do) made again
     if allocated != _floor:
         return (f"{allocated:,} bytes of CUDA memory allocated where this process started its settings with "
                 f"{_floor:,} (the libraries' own)")

@@ -191,22 +191,34 @@ sys.path.insert(0, {gpu!r})
 import results
 from results import run_isolated
 
-ALLOCATED = [0]  # CUDA's allocated bytes, played by a counter
-results._cuda_allocated = lambda: ALLOCATED[0]
-results._library_floor = lambda: ALLOCATED.__setitem__(0, 100) or 100  # the libraries' workspaces: 100 bytes
+# CUDA's allocated bytes, played by counters: the libraries' workspaces and what settings leave.
+WORKSPACES, LEFT = [0], [0]
+
+
+def allocated():
+    return WORKSPACES[0] + LEFT[0]
+
+
+results._cuda_allocated = allocated
+results._library_floor = lambda: WORKSPACES.__setitem__(0, 100) or allocated()  # made (again): 100 bytes
 results._release = lambda: None
-os.register_at_fork(after_in_child=lambda: ALLOCATED.__setitem__(0, 0))  # a fresh process has nothing on the GPU
+os.register_at_fork(after_in_child=lambda: (WORKSPACES.__setitem__(0, 0), LEFT.__setitem__(0, 0)))  # nothing there
 
 
 def allocates(left):
-    ALLOCATED[0] += left  # what the setting leaves allocated (the counter lives in each process)
-    return ALLOCATED[0]
+    LEFT[0] += left  # what the setting leaves allocated (the counters live in each process)
+    return allocated()
+
+
+def frees_the_workspaces():
+    WORKSPACES[0] = 0  # as every Lightning fit on a GPU ends (torch._C._cuda_clearCublasWorkspaces)
+    return allocated()
 
 
 if __name__ == "__main__":
-    print("RESULTS", [run_isolated(allocates, left) for left in (0, 0, 5, 0)], ALLOCATED[0])
-    ALLOCATED[0] = 100  # the 5 bytes are freed
-    print("AFTER", run_isolated(allocates, 0))
+    print("RESULTS", [run_isolated(allocates, left) for left in (0, 0, 5, 0)], allocated())
+    LEFT[0] = 0  # the 5 bytes are freed
+    print("AFTER", run_isolated(allocates, 0), run_isolated(frees_the_workspaces), run_isolated(allocates, 0))
     results.write(results.Path(sys.argv[1]), summary="", tables=[])
 """
 
@@ -219,11 +231,12 @@ def test_memory_off_the_floor_sends_the_next_setting_to_a_fresh_process(tmp_path
                             env=dict(os.environ, GPU_CHECK_START_METHOD="fork"))  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     # The first setting finds 0 allocated, makes the floor (100) and runs here; the third leaves 5 bytes, so the
-    # fourth runs in a fresh process (which starts with nothing allocated); once back at 100, here again.
+    # fourth runs in a fresh process (which starts with nothing allocated); once back at 100, here again. A setting
+    # that frees the workspaces (a Lightning fit) leaves the process clean: they are made again before the next.
     assert "RESULTS [100, 100, 105, 0] 105" in result.stdout
-    assert "AFTER 100" in result.stdout
+    assert "AFTER 100 0 100" in result.stdout
     settings = json.loads(out.read_text())["settings"]
-    assert [item["process"] for item in settings] == ["this one", "this one", "this one", "fresh", "this one"]
+    assert [item["process"] for item in settings] == ["this one"] * 3 + ["fresh"] + ["this one"] * 3
     assert settings[0]["detail"] == "proven clean: 100 bytes allocated, the floor"
     assert settings[3]["detail"] == ("105 bytes of CUDA memory allocated where this process started its settings with "
                                      "100 (the libraries' own)")  # fmt: skip
