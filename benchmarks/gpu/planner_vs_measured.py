@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -54,10 +55,13 @@ HELD_BEFORE_STEP = ("parameters", "buffers", "optimizer_state", "other")
 
 def start_simulation(preset: str, layers: int, configurations: list[tuple[int, str]]) -> subprocess.Popen:
     """Start the predictions for ``(seq_len, checkpointing)`` pairs in a fresh child process, on the CPU, while
-    this one measures on the GPU (the child touches no GPU: the measured memory is this process's alone)."""
+    this one measures on the GPU (the child touches no GPU: the measured memory is this process's alone). It gets
+    a quarter of the cores at a lower priority: with all of them (torch's default) it would take the cores the
+    measuring process launches kernels from, and the step times measured beside it would be the child's too."""
     request = json.dumps({"preset": preset, "layers": layers, "configurations": configurations})
+    threads = str(max(1, (os.cpu_count() or 4) // 4))
     return subprocess.Popen([sys.executable, __file__, "--simulate", request], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS=threads))  # fmt: skip
 
 
 def simulation_results(process: subprocess.Popen) -> list[dict[str, float]]:
@@ -71,6 +75,7 @@ def simulation_results(process: subprocess.Popen) -> list[dict[str, float]]:
 def _simulate_in_this_process(request: str) -> None:
     from lit_memtrain.planner.simulate import simulate_step
 
+    os.nice(10)  # below the measuring process (start_simulation)
     request = json.loads(request)
     config = build_config(request["preset"], {"num_hidden_layers": request["layers"]})
     predictions = []

@@ -188,6 +188,8 @@ ISOLATION_VARIABLE = "GPU_CHECK_ISOLATION"
 # CUDA bytes allocated in this process once the libraries' own memory exists and before its first setting; None
 # until then.
 _floor: int | None = None
+# Why this process can no longer be proven clean for good: a setting raised in it (set by run_isolated).
+_raised_here: str | None = None
 
 
 def _library_floor() -> int:
@@ -230,12 +232,19 @@ def _release() -> None:
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        # Pinned host blocks a setting freed stay cached for the next one (offloading copies through them): given
+        # back, so the host memory a setting measures is its own too. Public from torch 2.9 (2.8: no such call).
+        empty_host_cache = getattr(torch.accelerator, "empty_host_cache", None)
+        if empty_host_cache is not None:
+            empty_host_cache()
 
 
 def _why_not_clean() -> str | None:
     """``None`` when this process is proven clean for the next setting, else why not (after releasing what
     :func:`_release` releases): an object of the previous setting alive, or CUDA memory off the floor."""
     global _floor
+    if _raised_here is not None:
+        return _raised_here
     _release()
     alive = _alive([(name, reference) for name, reference, _ in _watched])
     if alive:
@@ -439,8 +448,9 @@ def run_isolated(
     registered with :func:`watch` gone, CUDA memory allocated back at the floor of the libraries' own), and in a
     fresh process otherwise, or when ``fresh=True`` (for what changes a process for good: the planner registers
     its stand-in device in the process it runs in), or for every setting with the environment variable
-    ``GPU_CHECK_ISOLATION=process``. A setting run here also starts with the allocator's cache emptied, its
-    peak reset, no memory cap and no process group. Either way the objects registered with :func:`watch` must be
+    ``GPU_CHECK_ISOLATION=process``, or once a setting raised in this process (an error, its time limit: stopped
+    part way, it may have left what no proof sees). A setting run here also starts with the allocators' caches
+    (device and pinned host) emptied, the peak reset, no memory cap and no process group. Either way the objects registered with :func:`watch` must be
     freed when ``function`` returns (see :class:`SettingLeaked`), and each setting is recorded (where it ran,
     why, its seconds) for :func:`write` and printed on stderr.
 
@@ -463,6 +473,7 @@ def run_isolated(
 
         figures = {offload: run_isolated(measure_setting, 32768, offload, timeout_s=60) for offload in (False, True)}
     """
+    global _raised_here
     name = getattr(function, "__qualname__", repr(function))
     shown = ", ".join([repr(arg) for arg in args] + [f"{key}={value!r}" for key, value in kwargs.items()])
     shown = f"{name}({shown if len(shown) <= 80 else shown[:77] + '...'})"
@@ -475,6 +486,13 @@ def run_isolated(
                   "detail": "proven clean" + (f": {floor:,} bytes allocated, the floor" if floor is not None else "")}
         try:
             result = _run_here(function, args, kwargs, timeout_s)
+        except SettingLeaked:
+            raise  # it returned: what it left alive is what the next proof looks for
+        except BaseException as error:
+            # A setting stopped part way (an error, its time limit) may leave what no proof sees: a technique's
+            # global patch never undone, a library's state half set. Every later setting runs elsewhere.
+            _raised_here = f"{name} raised {type(error).__name__} in this process, which may have left it changed"
+            raise
         finally:
             record["seconds"] = round(time.perf_counter() - start, 2)
             _ran.append(record)

@@ -94,17 +94,6 @@ def main():
     print("FIGURE", first["figure"])
     print("PIDS", json.dumps([first["pid"], second["pid"], os.getpid()]))
     print("SCRIPT IMPORTED AGAIN", first["imported"] != STARTED)
-    try:
-        run_isolated(fails)
-    except ValueError as error:
-        cause = str(error.__cause__)
-        print("RAISED", error, "|", error.__cause__ is None or ("line" in cause and "in fails" in cause))
-        failure = error  # kept, with its traceback: its frames' locals are freed, so the next setting can run here
-    start = time.perf_counter()
-    try:
-        run_isolated(hangs, timeout_s=2)
-    except TimeoutError as error:
-        print("TIMEOUT", error, time.perf_counter() - start < 20)
     print("COLLECTED", run_isolated(freed_by_the_collector))
     import socket
     with socket.socket() as probe:
@@ -112,11 +101,26 @@ def main():
         port = probe.getsockname()[1]
     run_isolated(sets_a_variable_and_starts_a_process_group, port)
     print("FOUND", json.dumps(run_isolated(what_it_finds)))
-    for leaking in (leaks_through_a_cycle, leaks_through_a_global):
-        try:
-            run_isolated(leaking)
-        except SettingLeaked as error:
-            print("LEAK", leaking.__name__, error)
+    try:
+        run_isolated(leaks_through_a_cycle)
+    except SettingLeaked as error:
+        print("LEAK leaks_through_a_cycle", error)
+    try:
+        run_isolated(fails)
+    except ValueError as error:
+        cause = str(error.__cause__)
+        print("RAISED", error, "|", error.__cause__ is None or ("line" in cause and "in fails" in cause))
+        failure = error  # kept, with its traceback: the frames' locals are freed all the same
+    print("FAILED SETTING FREED", [reference() is None for _, reference, _ in results._watched])
+    start = time.perf_counter()
+    try:
+        run_isolated(hangs, timeout_s=2)
+    except TimeoutError as error:
+        print("TIMEOUT", error, time.perf_counter() - start < 20)
+    try:
+        run_isolated(leaks_through_a_global)
+    except SettingLeaked as error:
+        print("LEAK leaks_through_a_global", error)
     try:
         run_isolated(kept_despite_the_collector)
     except SettingLeaked as error:
@@ -125,18 +129,34 @@ def main():
     print("KEPT THE FAILURE", type(failure).__name__)
 
 
+def after_a_global_leak_and_a_time_limit():
+    try:
+        run_isolated(leaks_through_a_global)
+    except SettingLeaked:
+        pass
+    run_isolated(setting, 1)  # elsewhere: the leaked model is alive
+    KEPT.clear()  # the leaked model freed: this process is clean again
+    start = time.perf_counter()
+    try:
+        run_isolated(hangs, timeout_s=2)  # here: stopped by SIGALRM
+    except TimeoutError as error:
+        print("TIMEOUT", error, time.perf_counter() - start < 20)
+    run_isolated(setting, 1)
+    results.write(results.Path(sys.argv[1]), summary="", tables=[])
+
+
 if __name__ == "__main__":
-    main()
+    main() if len(sys.argv) == 2 else globals()[sys.argv[2]]()
 """
 
 
-def _run_part(tmp_path: Path, **environment: str) -> tuple[list[str], list[dict]]:
+def _run_part(tmp_path: Path, *scenario: str, **environment: str) -> tuple[list[str], list[dict]]:
     script = tmp_path / "part.py"
     script.write_text(textwrap.dedent(PART.format(gpu=str(GPU))))
     out = tmp_path / "part.json"
     started = time.perf_counter()
-    result = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=300,
-                            env=dict(os.environ, **environment))  # fmt: skip
+    result = subprocess.run([sys.executable, str(script), str(out), *scenario], capture_output=True, text=True,
+                            timeout=300, env=dict(os.environ, **environment))  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert time.perf_counter() - started < 60  # a spare child left at the end is killed, not waited for
     return result.stdout.splitlines(), json.loads(out.read_text())["settings"]
@@ -157,21 +177,36 @@ def _common_outcomes(lines: list[str]) -> None:
     assert len(kept) == 1 and "the model (referred to by: list" in kept[0] and "after a garbage collection" in kept[0]
 
 
-def test_settings_run_in_the_parts_process_while_proven_clean_and_in_a_fresh_one_after_a_leak(tmp_path):
+def test_settings_run_in_the_parts_process_while_proven_clean_and_in_a_fresh_one_after_a_raise(tmp_path):
     lines, settings = _run_part(tmp_path)
     _common_outcomes(lines)
     first, second, own = json.loads(next(line for line in lines if line.startswith("PIDS"))[5:])
     assert first == second == own
     assert "SCRIPT IMPORTED AGAIN False" in lines
+    assert "FAILED SETTING FREED [True]" in lines  # the kept exception's frames no longer hold the model
     where = [(item["setting"], item["process"]) for item in settings]
-    assert where == [("setting", "this one"), ("setting", "this one"), ("fails", "this one"), ("hangs", "this one"),
-                     ("freed_by_the_collector", "this one"), ("sets_a_variable_and_starts_a_process_group", "this one"),
-                     ("what_it_finds", "this one"), ("leaks_through_a_cycle", "this one"),
-                     ("leaks_through_a_global", "this one"), ("kept_despite_the_collector", "fresh")]  # fmt: skip
-    # The cycle's model was freed by the collector before the next setting; the global's never is: every setting
-    # after it runs elsewhere, with the reason.
-    assert "the previous setting's the model (referred to by: list) still alive" == settings[-1]["detail"]
-    assert all(item["seconds"] >= 0 for item in settings) and settings[3]["seconds"] < 20
+    assert where == [("setting", "this one"), ("setting", "this one"), ("freed_by_the_collector", "this one"),
+                     ("sets_a_variable_and_starts_a_process_group", "this one"), ("what_it_finds", "this one"),
+                     ("leaks_through_a_cycle", "this one"), ("fails", "this one"), ("hangs", "fresh"),
+                     ("leaks_through_a_global", "fresh"), ("kept_despite_the_collector", "fresh")]  # fmt: skip
+    # The cycle's model was freed by the collector before the next setting, so the failing one ran here; once a
+    # setting raised here, every later one runs elsewhere, with the reason.
+    reason = "fails raised ValueError in this process, which may have left it changed"
+    assert [item["detail"] for item in settings[7:]] == [reason] * 3
+    assert all(item["seconds"] >= 0 for item in settings) and settings[7]["seconds"] < 20
+
+
+def test_a_setting_left_alive_or_stopped_at_its_time_limit_sends_the_next_one_elsewhere(tmp_path):
+    lines, settings = _run_part(tmp_path, "after_a_global_leak_and_a_time_limit")
+    assert any(line.startswith("TIMEOUT hangs did not finish within 2 s (stopped in the part's own process)")
+               and line.endswith("True") for line in lines), lines  # fmt: skip
+    where = [(item["setting"], item["process"], item["detail"]) for item in settings]
+    assert where == [
+        ("leaks_through_a_global", "this one", "proven clean"),
+        ("setting", "fresh", "the previous setting's the model (referred to by: list) still alive"),
+        ("hangs", "this one", "proven clean"),
+        ("setting", "fresh", "hangs raised TimeoutError in this process, which may have left it changed"),
+    ]
 
 
 @pytest.mark.parametrize("start_method", ["spawn", "fork"])
@@ -240,3 +275,65 @@ def test_memory_off_the_floor_sends_the_next_setting_to_a_fresh_process(tmp_path
     assert settings[0]["detail"] == "proven clean: 100 bytes allocated, the floor"
     assert settings[3]["detail"] == ("105 bytes of CUDA memory allocated where this process started its settings with "
                                      "100 (the libraries' own)")  # fmt: skip
+
+
+LIGHTNING_PART = """
+import sys
+sys.path.insert(0, {gpu!r})
+import torch
+import results
+from results import run_isolated, watch
+
+KEPT = []
+
+
+def fit(offload, keep_a_tensor=False):
+    from lightning.pytorch import Trainer
+    from torch.utils.data import DataLoader
+
+    from lit_memtrain.callbacks import ActivationOffloading
+    from lit_memtrain.objectives.causal_lm import CausalLMModule
+
+    found = {{"allocated": torch.cuda.memory_allocated(), "pinned": torch.cuda.host_memory_stats().get(
+        "allocated_bytes.current", 0)}}
+    torch.manual_seed(0)
+    ids = torch.randint(0, 100, (1, 256))
+    module = CausalLMModule(preset="tiny-qwen3")
+    watch(module, "the module", after_collection=True)
+    trainer = Trainer(accelerator="gpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                      callbacks=[ActivationOffloading(min_offload_bytes=0)] if offload else [])
+    trainer.fit(module, DataLoader([{{"input_ids": ids, "labels": ids}}] * 2, batch_size=None))
+    if keep_a_tensor:
+        KEPT.append(torch.ones(1024, device="cuda"))  # not watched: only the memory proof can see it
+    return found
+
+
+if __name__ == "__main__":
+    found = [run_isolated(fit, offload) for offload in (False, True, False)]
+    found.append(run_isolated(fit, False, keep_a_tensor=True))
+    found.append(run_isolated(fit, False))
+    print("FOUND", found)
+    results.write(results.Path(sys.argv[1]), summary="", tables=[])
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_lightning_fits_run_in_the_parts_process_once_proven_clean(tmp_path):
+    """The CUDA half of the proof, through real fits: Lightning frees the cuBLAS workspaces at each fit's start and
+    end and starts a process group; the offloading fit leaves pinned host blocks cached. Each fit after the first
+    still finds the process at the floor, with no pinned host memory, and runs here; after a fit that keeps a
+    tensor on the GPU, the next runs in a fresh process."""
+    script = tmp_path / "part.py"
+    script.write_text(textwrap.dedent(LIGHTNING_PART.format(gpu=str(GPU))))
+    out = tmp_path / "part.json"
+    result = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    settings = json.loads(out.read_text())["settings"]
+    assert [item["process"] for item in settings] == ["this one"] * 4 + ["fresh"], settings
+    assert settings[-1]["detail"].startswith("4,096 bytes of CUDA memory allocated where this process started")
+    found = eval(next(line for line in result.stdout.splitlines() if line.startswith("FOUND"))[6:])
+    floor = found[0]["allocated"]
+    assert floor > 0 and [item["allocated"] for item in found] == [floor] * 4 + [0]
+    assert [item["pinned"] for item in found] == [0] * 5  # the offloading fit's pinned blocks given back
