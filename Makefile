@@ -12,7 +12,7 @@ GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 OUT ?= gpu-check
 GPU_CHECK_ARGS ?=
 
-.PHONY: install quickstart smollm2 smollm2-sft smollm2-dpo smollm2-grpo smollm2-online-dpo smollm2-reward test docs-check bench mutations gpu-check clean
+.PHONY: install quickstart smollm2 smollm2-sft smollm2-dpo smollm2-grpo smollm2-online-dpo smollm2-reward test docs-check bench mutations gpu-check gpu-wheels clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -90,6 +90,14 @@ gpu-check:
 		|| $(GPU_PYTHON) -m pip install --quiet --no-deps --no-build-isolation --no-index -e . \
 		|| echo "gpu-check: 'pip install --no-deps -e .' failed; the check runs from the source tree"
 	$(GPU_PYTHON) benchmarks/gpu/check.py $(OUT) $(GPU_CHECK_ARGS)
+
+# The pure-Python wheels the GPU check's TRL row needs and a lent GPU machine lacks (it reaches no registry), into
+# the ignored folder .whl, which travels with the call (carry it). Run here, before the call: a fresh checkout has
+# none. See docs/benchmarks.md, "GPU check".
+GPU_WHEELS ?= trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+gpu-wheels: | $(PY)
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 -d .whl $(GPU_WHEELS)
 
 clean:
 	rm -rf outputs lightning_logs wandb .pytest_cache

@@ -181,6 +181,27 @@ def test_without_cuda_it_stops_at_once_with_a_clear_message(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_the_one_command_for_a_lent_gpu_passes_its_arguments_and_returns_three_files(tmp_path):
+    """benchmarks/gpu/lent_gpu.sh as a lent machine runs it (with python3 and make in the repository root): with no
+    arguments check.py gets none (an empty one would stop it before any part), with some it gets them as given,
+    and a dry run leaves the report and the parts' files in $OUT."""
+    def lent(*arguments: str) -> subprocess.CompletedProcess:
+        out = tmp_path / f"out{len(arguments)}"
+        out.mkdir()
+        return subprocess.run(["bash", str(GPU / "lent_gpu.sh"), *arguments], cwd=ROOT, capture_output=True,
+                              text=True, env=dict(_environment(), OUT=str(out)), timeout=300)  # fmt: skip
+
+    bare = lent()
+    assert bare.returncode == 2 and "this machine has no CUDA GPU" in bare.stderr, bare.stderr[-2000:]
+    assert ("no wheels in .whl (run 'make gpu-wheels'" in bare.stderr) != any((ROOT / ".whl").glob("*.whl"))
+    dry = lent("--dry-run", "--only", "offload")
+    assert dry.returncode == 0, (dry.stdout + dry.stderr)[-3000:]
+    assert sorted(path.name for path in (tmp_path / "out3").iterdir()) == ["parts-and-logs.tgz", "report.json",
+                                                                          "report.md"]  # fmt: skip
+    report = json.loads((tmp_path / "out3" / "report.json").read_text())
+    assert [part["name"] for part in report["parts"]] == ["offload"]
+
+
 def _part_script(tmp_path: Path, name: str, body: str) -> Path:
     path = tmp_path / f"{name}.py"
     path.write_text("import json, subprocess, sys, time\nJSON = sys.argv[sys.argv.index('--json') + 1]\n"
