@@ -8,7 +8,8 @@ drifts. A batch is a dict of tensors:
   where it is not trained);
 - padded rows: ``attention_mask`` ``[B, L]``; padding-free rows (one flattened row of several documents):
   ``position_ids`` restarting at 0 per document, ``cu_seq_lens_q/k`` and ``max_length_q/k`` (flash-attn's varlen
-  bounds), ``seq_lengths``, ``num_tokens`` (real tokens, the rest is padding);
+  bounds), ``seq_lengths``, ``num_tokens`` (real tokens, the rest is padding), ``cu_seq_lens_on_host`` (the
+  bounds again as a tuple of ints, which Lightning's transfer leaves on the host: :func:`host_document_starts`);
 - ``shift_labels`` ``[B, L]`` (targets already aligned with each position) replaces ``labels`` on a sequence
   shard of a context-parallel group, shifted on the whole row before it was cut;
 - counts for the loss and the throughput meter, never passed to the model (:data:`BATCH_ONLY_KEYS`):
@@ -35,12 +36,14 @@ from torch import Tensor
 
 __all__ = [
     "BATCH_ONLY_KEYS",
+    "CU_SEQ_LENS_ON_HOST",
     "IGNORE_INDEX",
     "SCORED",
     "STEP_TRAINABLE_TOKENS",
     "STEP_WINDOW",
     "VARLEN_KEYS",
     "batch_targets",
+    "host_document_starts",
     "is_padding_free",
     "mark_unscored",
     "model_inputs",
@@ -53,11 +56,12 @@ IGNORE_INDEX = -100  # a label the loss skips (prompt tokens, padding, each docu
 STEP_TRAINABLE_TOKENS = "step_trainable_tokens"
 STEP_WINDOW = "step_window"
 SCORED = "scored"
+CU_SEQ_LENS_ON_HOST = "cu_seq_lens_on_host"
 # The key that marks a dataset row as a validation repeat: a name no dataset column has (prompts keep every column).
 _UNSCORED_MARK = "__lit_memtrain_unscored__"
 BATCH_ONLY_KEYS = (
     "labels", "shift_labels", "num_trainable_tokens", "num_tokens", "seq_lengths", "attention_pairs",
-    STEP_TRAINABLE_TOKENS, STEP_WINDOW, "margin", SCORED,
+    STEP_TRAINABLE_TOKENS, STEP_WINDOW, "margin", SCORED, CU_SEQ_LENS_ON_HOST,
 )  # fmt: skip
 VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")  # a padding-free row's documents
 
@@ -92,9 +96,23 @@ def model_inputs(batch: dict[str, Any], varlen: bool = False, cu_seq_lens_on_hos
         if varlen:
             inputs.update({k: batch[k] for k in VARLEN_KEYS if k in batch})
         elif cu_seq_lens_on_host and "cu_seq_lens_q" in batch:
-            inputs["cu_seq_lens_q"] = batch["cu_seq_lens_q"].cpu()
+            inputs["cu_seq_lens_q"] = host_document_starts(batch)
     inputs["use_cache"] = False
     return inputs
+
+
+def host_document_starts(batch: dict[str, Any]) -> Tensor:
+    """A padding-free batch's ``cu_seq_lens_q`` as an int32 tensor on the host.
+
+    Why: code that loops over documents on the host (the per-document attention, the attention-pair count) needs the
+    bounds there, but Lightning moves every tensor of the batch to the device; reading them back (``.cpu()``) waits
+    for all the work queued on the device, once a step. The collator's copy under :data:`CU_SEQ_LENS_ON_HOST` (a
+    tuple of ints, which the transfer leaves alone) costs nothing; a batch without it is read back.
+    """
+    kept = batch.get(CU_SEQ_LENS_ON_HOST)
+    if kept is not None:
+        return torch.tensor(kept, dtype=torch.int32)
+    return batch["cu_seq_lens_q"].cpu()
 
 
 def mark_unscored(row: dict[str, Any]) -> dict[str, Any]:

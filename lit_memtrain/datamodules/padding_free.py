@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lit_memtrain.datamodules.batch import IGNORE_INDEX
+from lit_memtrain.datamodules.batch import CU_SEQ_LENS_ON_HOST, IGNORE_INDEX
 
 
 class PaddingFreeCollator:
@@ -43,6 +43,8 @@ class PaddingFreeCollator:
     - ``max_length_q``, ``max_length_k``: ``int``, the longest segment (computed on CPU, so the
       varlen kernel needs no device-to-host sync).
     - ``num_tokens``: ``int``, the real tokens, padding excluded (for throughput metrics).
+    - ``cu_seq_lens_on_host``: ``cu_seq_lens_q`` as a tuple of ints, which stays on the host when the batch moves
+      to the device (:func:`~lit_memtrain.datamodules.batch.host_document_starts`: no read-back each step).
 
     Args:
         pad_token_id: token id written into the padding segment.
@@ -115,6 +117,7 @@ class PaddingFreeCollator:
             "max_length_q": max_length,
             "max_length_k": max_length,
             "num_tokens": num_tokens,
+            CU_SEQ_LENS_ON_HOST: tuple(int(bound) for bound in cu_seq_lens),
         }
 
     def _padding(self, num_tokens: int) -> int:

@@ -393,7 +393,9 @@ class CausalLMModule(LightningModule):
             str(trainer.precision),
         )  # fmt: skip
         for name, value in metrics.items():
-            self.log(name, value, prog_bar=name == "train/tokens_per_sec")
+            # A host tensor, not the float: Lightning makes a logged float a tensor on the module's device, a copy
+            # from host memory that waits for the device (one sync per metric per step); a host tensor stays there.
+            self.log(name, torch.tensor(value, dtype=torch.get_default_dtype()), prog_bar=name == "train/tokens_per_sec")
 
     def configure_optimizers(self) -> dict[str, Any]:
         """AdamW (or ``optimizer``) and warmup-cosine (or ``lr_scheduler``), as

@@ -288,7 +288,9 @@ def step_trainable_tokens(
             "loss is divided by the trainable tokens of the whole optimizer step, which CausalLMModule.setup "
             "arranges for the training dataloader. Call super().setup(stage) if you override setup."
         )
-    tokens = torch.tensor(tokens, device=device)
+    # Filled on the device: torch.tensor(tokens, device=cuda) copies from pageable host memory, which waits for all
+    # the work queued on the device (a sync every step); a fill is queued like any kernel.
+    tokens = torch.full((), int(tokens), dtype=torch.int64, device=device)
     if trainer.world_size > 1:
         group = mesh["data_parallel"].get_group() if mesh is not None else None
         tokens = trainer.strategy.reduce(tokens, group=group, reduce_op="sum")

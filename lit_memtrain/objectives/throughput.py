@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lit_memtrain.datamodules.batch import CU_SEQ_LENS_ON_HOST
 from lit_memtrain.objectives.peak_flops import dense_peak_flops
 
 __all__ = [
@@ -64,7 +65,10 @@ def attention_pairs(batch: Mapping[str, Any]) -> int | Tensor:
     """
     if "attention_pairs" in batch:
         return batch["attention_pairs"]
-    if "cu_seq_lens_q" in batch:
+    if CU_SEQ_LENS_ON_HOST in batch:  # the collator's host copy: counted without the device
+        bounds = torch.tensor(batch[CU_SEQ_LENS_ON_HOST], dtype=torch.long)
+        lengths = bounds[1:] - bounds[:-1]
+    elif "cu_seq_lens_q" in batch:
         bounds = torch.as_tensor(batch["cu_seq_lens_q"]).long()
         lengths = bounds[1:] - bounds[:-1]
     elif "attention_mask" in batch:

@@ -12,8 +12,8 @@ Where the documents are: transformers builds one mask per forward (``create_caus
 every layer. For this implementation that "mask" is, for packed rows, the document index of each token
 (int32, [B, 1, 1, L]: O(L)), found by probing the mask function transformers composed (a token that cannot
 see the one before it starts a document); for unpacked rows it is ``None``. When ``cu_seq_lens_q`` is
-passed (``CausalLMModule`` passes the collator's, copied to the CPU once per forward) the layers read the
-bounds from it rather than from the device, saving a sync per layer.
+passed (``CausalLMModule`` passes the collator's, kept on the host: no read-back from the device) the layers read
+the bounds from it rather than from the device, saving a sync per layer.
 
 Only plain causal attention is split by document. Anything else gets transformers' sdpa mask and is handed
 to transformers' own ``sdpa`` unchanged: padded batches, generation with a KV cache, sliding-window,
