@@ -395,7 +395,8 @@ class CausalLMModule(LightningModule):
         for name, value in metrics.items():
             # A host tensor, not the float: Lightning makes a logged float a tensor on the module's device, a copy
             # from host memory that waits for the device (one sync per metric per step); a host tensor stays there.
-            self.log(name, torch.tensor(value, dtype=torch.get_default_dtype()), prog_bar=name == "train/tokens_per_sec")
+            host = torch.tensor(value, dtype=torch.get_default_dtype())
+            self.log(name, host, prog_bar=name == "train/tokens_per_sec")
 
     def configure_optimizers(self) -> dict[str, Any]:
         """AdamW (or ``optimizer``) and warmup-cosine (or ``lr_scheduler``), as

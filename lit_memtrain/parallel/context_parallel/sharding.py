@@ -32,15 +32,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from lit_memtrain.datamodules.batch import IGNORE_INDEX, shift_targets
+from lit_memtrain.datamodules.batch import CU_SEQ_LENS_ON_HOST, IGNORE_INDEX, shift_targets
 from lit_memtrain.parallel.context_parallel.validation import METHODS
 from lit_memtrain.techniques.attention import cu_seq_lens_bounds
 
 __all__ = ["SequenceShard", "ShardLayout", "check_same_rows", "padded_length", "rank_chunks", "shard_batch"]
 
+# Keys cut or rebuilt per shard, or dropped (CU_SEQ_LENS_ON_HOST: the whole row's bounds; a shard's are in its layout).
 _UNSHARDED_KEYS = frozenset(
     {"input_ids", "labels", "position_ids", "attention_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
-     "max_length_k", "num_trainable_tokens", "num_tokens", "seq_lengths"}
+     "max_length_k", "num_trainable_tokens", "num_tokens", "seq_lengths", CU_SEQ_LENS_ON_HOST}
 )  # fmt: skip
 
 
