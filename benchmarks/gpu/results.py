@@ -233,7 +233,8 @@ def _release() -> None:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         # Pinned host blocks a setting freed stay cached for the next one (offloading copies through them): given
-        # back, so the host memory a setting measures is its own too. Public from torch 2.9 (2.8: no such call).
+        # back, so the host memory a setting measures is its own too. Public in torch 2.13; torch 2.11 (the GPU
+        # image's) has no such call and keeps them.
         empty_host_cache = getattr(torch.accelerator, "empty_host_cache", None)
         if empty_host_cache is not None:
             empty_host_cache()

@@ -294,8 +294,9 @@ def fit(offload, keep_a_tensor=False):
     from lit_memtrain.callbacks import ActivationOffloading
     from lit_memtrain.objectives.causal_lm import CausalLMModule
 
-    found = {{"allocated": torch.cuda.memory_allocated(), "pinned": torch.cuda.host_memory_stats().get(
-        "allocated_bytes.current", 0)}}
+    pinned = torch.cuda.host_memory_stats()
+    found = {{"allocated": torch.cuda.memory_allocated(), "pinned in use": pinned.get("active_bytes.current", 0),
+              "pinned cached": pinned.get("allocated_bytes.current", 0)}}
     torch.manual_seed(0)
     ids = torch.randint(0, 100, (1, 256))
     module = CausalLMModule(preset="tiny-qwen3")
@@ -331,9 +332,13 @@ def test_cuda_lightning_fits_run_in_the_parts_process_once_proven_clean(tmp_path
     result = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     settings = json.loads(out.read_text())["settings"]
+    import torch
+
     assert [item["process"] for item in settings] == ["this one"] * 4 + ["fresh"], settings
     assert settings[-1]["detail"].startswith("4,096 bytes of CUDA memory allocated where this process started")
     found = eval(next(line for line in result.stdout.splitlines() if line.startswith("FOUND"))[6:])
     floor = found[0]["allocated"]
     assert floor > 0 and [item["allocated"] for item in found] == [floor] * 4 + [0]
-    assert [item["pinned"] for item in found] == [0] * 5  # the offloading fit's pinned blocks given back
+    assert [item["pinned in use"] for item in found] == [0] * 5  # nothing of the offloading fit holds any
+    if hasattr(torch.accelerator, "empty_host_cache"):  # torch 2.13 (not 2.11): its cached blocks given back too
+        assert [item["pinned cached"] for item in found] == [0] * 5
