@@ -110,9 +110,18 @@ def host_document_starts(batch: dict[str, Any]) -> Tensor:
     tuple of ints, which the transfer leaves alone) costs nothing; a batch without it is read back.
     """
     kept = batch.get(CU_SEQ_LENS_ON_HOST)
-    if kept is not None:
-        return torch.tensor(kept, dtype=torch.int32)
-    return batch["cu_seq_lens_q"].cpu()
+    if kept is None:
+        return batch["cu_seq_lens_q"].cpu()
+    # Shapes only (no read of the device): a batch changed after collation without its host copy would otherwise
+    # run its attention over the old documents.
+    rows = batch["input_ids"].shape[-1] if "input_ids" in batch else kept[-1]
+    if len(kept) != batch["cu_seq_lens_q"].shape[0] or kept[-1] != rows:
+        raise ValueError(
+            f"The batch's {CU_SEQ_LENS_ON_HOST!r} ({len(kept)} bounds, the last {kept[-1]}) does not describe its "
+            f"cu_seq_lens_q ({batch['cu_seq_lens_q'].shape[0]} bounds) and row of {rows} tokens: code that changes a "
+            f"collated padding-free batch must update or drop {CU_SEQ_LENS_ON_HOST!r} too."
+        )
+    return torch.tensor(kept, dtype=torch.int32)
 
 
 def mark_unscored(row: dict[str, Any]) -> dict[str, Any]:

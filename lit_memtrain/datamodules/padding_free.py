@@ -117,7 +117,7 @@ class PaddingFreeCollator:
             "max_length_q": max_length,
             "max_length_k": max_length,
             "num_tokens": num_tokens,
-            CU_SEQ_LENS_ON_HOST: tuple(int(bound) for bound in cu_seq_lens),
+            CU_SEQ_LENS_ON_HOST: tuple(cu_seq_lens.tolist()),
         }
 
     def _padding(self, num_tokens: int) -> int:

@@ -139,3 +139,19 @@ def test_errors_are_clear() -> None:
         collator([{"input_ids": [1, 2, 3], "seq_lengths": [2, 2]}])
     with pytest.raises(ValueError, match=r"Example 0: seq_lengths \[-1, 4\] must be >= 0"):
         collator([{"input_ids": [1, 2, 3], "seq_lengths": [-1, 4]}])
+
+
+def test_the_host_copy_of_the_bounds_is_the_collated_one_and_a_changed_batch_is_refused():
+    from lit_memtrain.datamodules.batch import CU_SEQ_LENS_ON_HOST, host_document_starts
+
+    batch = PaddingFreeCollator(pad_to_multiple_of=8)(
+        [{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}, {"input_ids": [4, 5], "labels": [4, 5]}]
+    )
+    assert batch[CU_SEQ_LENS_ON_HOST] == (0, 3, 5, 8)  # the padding is a segment of its own
+    assert torch.equal(host_document_starts(batch), batch["cu_seq_lens_q"])
+    assert torch.equal(host_document_starts({k: v for k, v in batch.items() if k != CU_SEQ_LENS_ON_HOST}),
+                       batch["cu_seq_lens_q"])  # fmt: skip
+    cut = dict(batch, input_ids=batch["input_ids"][:, :5], cu_seq_lens_q=batch["cu_seq_lens_q"][:3])
+    with pytest.raises(ValueError, match=r"'cu_seq_lens_on_host' \(4 bounds, the last 8\) does not describe its "
+                                         r"cu_seq_lens_q \(3 bounds\) and row of 5 tokens: code that changes"):
+        host_document_starts(cut)
