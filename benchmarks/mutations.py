@@ -176,6 +176,20 @@ MUTATIONS: tuple[Mutation, ...] = (
               "    wrapped = []\n"),),
         ("tests/callbacks/test_compiled_layers.py::test_what_it_does_not_compose_with_is_refused",),
     ),
+    Mutation(
+        "packed step: the token count copied to the device again (a sync every step)",
+        (Edit("lit_memtrain/objectives/step_tokens.py",
+              "tokens = torch.full((), int(tokens), dtype=torch.int64, device=device)",
+              "tokens = torch.tensor(tokens, device=device)"),),
+        ("tests/objectives/test_device_syncs.py",),
+    ),
+    Mutation(
+        "packed rows: the host copy of the document bounds off by one token",
+        (Edit("lit_memtrain/datamodules/padding_free.py", "CU_SEQ_LENS_ON_HOST: tuple(cu_seq_lens.tolist()),",
+              "CU_SEQ_LENS_ON_HOST: (0, *(b + 1 for b in cu_seq_lens.tolist()[1:-1]), int(cu_seq_lens[-1])),"),),
+        ("tests/datamodules/test_padding_free.py",
+         "tests/techniques/test_attention.py::test_module_trains_packed_rows_like_sdpa"),
+    ),
     *(
         Mutation(
             f"{technique} skipped for {objective}",
