@@ -244,9 +244,9 @@ def _why_not_clean() -> str | None:
     """``None`` when this process is proven clean for the next setting, else why not (after releasing what
     :func:`_release` releases): an object of the previous setting alive, or CUDA memory off the floor."""
     global _floor
+    _release()  # also after a raise: the settings that run elsewhere need the GPU memory this process cached
     if _raised_here is not None:
         return _raised_here
-    _release()
     alive = _alive([(name, reference) for name, reference, _ in _watched])
     if alive:
         return f"the previous setting's {'; '.join(alive)} still alive"

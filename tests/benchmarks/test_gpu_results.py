@@ -145,6 +145,28 @@ def after_a_global_leak_and_a_time_limit():
     results.write(results.Path(sys.argv[1]), summary="", tables=[])
 
 
+def after_a_setting_that_started_a_group_and_raised():
+    import socket
+    import torch.distributed as dist
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+
+    try:
+        run_isolated(starts_a_process_group_and_fails, port)
+    except ValueError:
+        pass
+    run_isolated(setting, 1)  # elsewhere; this process is still released for it
+    print("GROUP AFTER THE NEXT SETTING", dist.is_initialized())
+    results.write(results.Path(sys.argv[1]), summary="", tables=[])
+
+
+def starts_a_process_group_and_fails(port):
+    sets_a_variable_and_starts_a_process_group(port)
+    raise ValueError("stopped part way")
+
+
 if __name__ == "__main__":
     main() if len(sys.argv) == 2 else globals()[sys.argv[2]]()
 """
@@ -207,6 +229,14 @@ def test_a_setting_left_alive_or_stopped_at_its_time_limit_sends_the_next_one_el
         ("hangs", "this one", "proven clean"),
         ("setting", "fresh", "hangs raised TimeoutError in this process, which may have left it changed"),
     ]
+
+
+def test_a_raised_setting_is_still_released_before_the_next_one_runs_elsewhere(tmp_path):
+    """What the raised setting holds in this process (its process group here; on a GPU the allocator's cached
+    blocks, which a fresh process's setting would otherwise find missing from the device) is given back."""
+    lines, settings = _run_part(tmp_path, "after_a_setting_that_started_a_group_and_raised")
+    assert [item["process"] for item in settings] == ["this one", "fresh"]
+    assert "GROUP AFTER THE NEXT SETTING False" in lines
 
 
 @pytest.mark.parametrize("start_method", ["spawn", "fork"])
