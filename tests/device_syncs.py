@@ -18,8 +18,11 @@ How it tells device tensors from host ones (a ``TorchFunctionMode``, seeing ever
   and what :meth:`mark_device` is given (the batch after Lightning's transfer, which is ``non_blocking`` on CUDA).
 
 Counted: a read of a device tensor on the host, and a blocking copy of host data to the device. Not seen: code that
-branches on ``tensor.device.type == "cpu"`` takes its CPU branch here (keep host values host whatever the device is),
-and reads inside C++ (the autograd engine's own work) are not Python calls.
+branches on ``tensor.device.type == "cpu"`` takes its CPU branch here (keep host values host whatever the device is);
+reads inside C++ (the autograd engine's own work) are not Python calls; ``host.to(other.device)`` is taken to stay
+where it is (on CUDA it is a blocking copy when ``other`` is on the device, and what is read of the result later is
+missed too); and the batch's transfer is taken as free (non-blocking only from pinned memory, which the data loaders
+here do not ask for).
 """
 
 from __future__ import annotations

@@ -500,6 +500,7 @@ def run_isolated(
             print(f"[setting] {shown}: {record['seconds']:.1f} s in this process ({record['detail']})",
                   file=sys.stderr, flush=True)
         return result
+    _release()  # what this process cached would be GPU memory the fresh one lacks (asked for, or every setting fresh)
     record = {"setting": name, "call": shown, "process": "fresh", "detail": reason}
     try:
         result, seconds = _run_in_child(function, args, kwargs, timeout_s, spare=every_fresh)

@@ -392,11 +392,12 @@ class CausalLMModule(LightningModule):
             trainer.global_step, trainer.log_every_n_steps, trainer.max_steps, self.model, self.device,
             str(trainer.precision),
         )  # fmt: skip
+        # Host tensors, not floats: Lightning makes a logged float a tensor on the module's device, a copy from host
+        # memory that waits for the device (one sync per metric per step); a host tensor stays there. At least fp32,
+        # as Lightning's own conversion (a bf16 default dtype would round them).
+        dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
         for name, value in metrics.items():
-            # A host tensor, not the float: Lightning makes a logged float a tensor on the module's device, a copy
-            # from host memory that waits for the device (one sync per metric per step); a host tensor stays there.
-            host = torch.tensor(value, dtype=torch.get_default_dtype())
-            self.log(name, host, prog_bar=name == "train/tokens_per_sec")
+            self.log(name, torch.tensor(value, dtype=dtype), prog_bar=name == "train/tokens_per_sec")
 
     def configure_optimizers(self) -> dict[str, Any]:
         """AdamW (or ``optimizer``) and warmup-cosine (or ``lr_scheduler``), as

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lit_memtrain.datamodules.batch import CU_SEQ_LENS_ON_HOST
+from lit_memtrain.datamodules.batch import CU_SEQ_LENS_ON_HOST, host_document_starts
 from lit_memtrain.objectives.peak_flops import dense_peak_flops
 
 __all__ = [
@@ -65,8 +65,8 @@ def attention_pairs(batch: Mapping[str, Any]) -> int | Tensor:
     """
     if "attention_pairs" in batch:
         return batch["attention_pairs"]
-    if CU_SEQ_LENS_ON_HOST in batch:  # the collator's host copy: counted without the device
-        bounds = torch.tensor(batch[CU_SEQ_LENS_ON_HOST], dtype=torch.long)
+    if CU_SEQ_LENS_ON_HOST in batch:  # the collator's host copy (checked against the batch): no device read
+        bounds = host_document_starts(batch).long()
         lengths = bounds[1:] - bounds[:-1]
     elif "cu_seq_lens_q" in batch:
         bounds = torch.as_tensor(batch["cu_seq_lens_q"]).long()

@@ -325,8 +325,8 @@ def fit(offload, keep_a_tensor=False):
     from lit_memtrain.objectives.causal_lm import CausalLMModule
 
     pinned = torch.cuda.host_memory_stats()
-    found = {{"allocated": torch.cuda.memory_allocated(), "pinned in use": pinned.get("active_bytes.current", 0),
-              "pinned cached": pinned.get("allocated_bytes.current", 0)}}
+    found = {{"allocated": torch.cuda.memory_allocated(), "pinned in use": pinned["active_bytes.current"],
+              "pinned cached": pinned["allocated_bytes.current"]}}
     torch.manual_seed(0)
     ids = torch.randint(0, 100, (1, 256))
     module = CausalLMModule(preset="tiny-qwen3")
@@ -337,6 +337,7 @@ def fit(offload, keep_a_tensor=False):
     trainer.fit(module, DataLoader([{{"input_ids": ids, "labels": ids}}] * 2, batch_size=None))
     if keep_a_tensor:
         KEPT.append(torch.ones(1024, device="cuda"))  # not watched: only the memory proof can see it
+    found["pinned after the fit"] = torch.cuda.host_memory_stats()["allocated_bytes.current"]
     return found
 
 
@@ -369,6 +370,7 @@ def test_cuda_lightning_fits_run_in_the_parts_process_once_proven_clean(tmp_path
     found = eval(next(line for line in result.stdout.splitlines() if line.startswith("FOUND"))[6:])
     floor = found[0]["allocated"]
     assert floor > 0 and [item["allocated"] for item in found] == [floor] * 4 + [0]
+    assert found[1]["pinned after the fit"] > 0  # the offloading fit copied through pinned blocks
     assert [item["pinned in use"] for item in found] == [0] * 5  # nothing of the offloading fit holds any
     if hasattr(torch.accelerator, "empty_host_cache"):  # torch 2.13 (not 2.11): its cached blocks given back too
         assert [item["pinned cached"] for item in found] == [0] * 5
