@@ -81,14 +81,14 @@ def fit_config(settings: dict[str, Any]) -> dict[str, Any]:
 
 def documents(settings: dict[str, Any]) -> list[list[int]]:
     """Token ids of lognormal-length documents (median ``median_length``, at least 8 tokens), enough for ``rows``
-    full rows, from the model's whole vocabulary. Each row cuts its last document and drops the rest of it (about
+    full rows, from the model's whole vocabulary (``vocab_size`` where the settings name one). Each row cuts its last document and drops the rest of it (about
     half a document a row), so a tenth more tokens and one row more are drawn: with exactly ``rows`` rows' worth the
     first GPU run got 11 rows of 12 and never reached its profiled step."""
     import numpy as np
 
     from lit_memtrain.models.presets import build_config
 
-    vocab = build_config(settings["preset"]).vocab_size
+    vocab = settings.get("vocab_size") or build_config(settings["preset"]).vocab_size
     generator = np.random.default_rng(settings["seed"])
     docs, total = [], 0
     while total < 1.1 * (settings["rows"] + 1) * settings["max_length"]:
