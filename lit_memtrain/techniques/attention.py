@@ -147,9 +147,7 @@ def _varlen_row(
     if groups > 1 and not takes_groups:
         key_rows, value_rows = key_rows.repeat_interleave(groups, dim=1), value_rows.repeat_interleave(groups, dim=1)
     extra = {"enable_gqa": True} if groups > 1 and takes_groups else {}
-    bounds = [bound for index, bound in enumerate(bounds) if index == 0 or bound != bounds[index - 1]]  # no empty ones
-    starts = _device_starts(tuple(bounds), query.device)
-    longest = max(stop - start for start, stop in pairwise(bounds))
+    starts, longest = _varlen_documents(tuple(bounds), query.device)
     output = kernel(
         query_rows, key_rows, value_rows, starts, starts, longest, longest, scale=scaling, **causal, **extra
     )
@@ -157,13 +155,16 @@ def _varlen_row(
 
 
 @functools.lru_cache(maxsize=8)
-def _device_starts(bounds: tuple[int, ...], device: torch.device) -> Tensor:
-    """The kernel's document starts on ``device``, made once per row of documents rather than once per layer:
+def _varlen_documents(bounds: tuple[int, ...], device: torch.device) -> tuple[Tensor, int]:
+    """The kernel's document starts on ``device`` (empty documents left out) and the longest document, made once
+    per row of documents rather than once per layer (every layer of a forward reads the same bounds):
     ``torch.tensor(bounds, device=cuda)`` copies from pageable host memory and waits for the device to finish
     all its queued work, a sync in every layer's forward that kept the host from running ahead of the GPU. From
     pinned memory the copy is queued without waiting. Read-only for the kernel, so every layer shares it."""
-    host = torch.tensor(bounds, dtype=torch.int32)
-    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+    kept = [bound for index, bound in enumerate(bounds) if index == 0 or bound != bounds[index - 1]]  # no empty ones
+    host = torch.tensor(kept, dtype=torch.int32)
+    starts = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+    return starts, max(stop - start for start, stop in pairwise(kept))
 
 
 def _attend_row(
@@ -220,14 +221,22 @@ def cu_seq_lens_bounds(cu_seq_lens: Tensor, rows: int, length: int) -> list[int]
     Raises:
         ValueError: the bounds do not rise from 0 to ``length``, or the batch has several rows.
     """
-    bounds = cu_seq_lens.tolist()
+    bounds = tuple(cu_seq_lens.tolist())
+    _check_bounds(bounds, rows, length)
+    return list(bounds)
+
+
+@functools.lru_cache(maxsize=8)
+def _check_bounds(bounds: tuple[int, ...], rows: int, length: int) -> None:
+    """Raise unless ``bounds`` rise from 0 to ``length`` over one row. Remembered by value: every layer of a
+    forward reads the same row's bounds, checked once rather than once per layer (a failed check is not
+    remembered, and raises again)."""
     if rows != 1 or bounds[0] != 0 or bounds[-1] != length or any(b < a for a, b in pairwise(bounds)):
         raise ValueError(
             f"cu_seq_lens_q must rise from 0 to {length} over one flattened row of {length} tokens, got "
-            f"{bounds[:4]}...{bounds[-1:]} for a batch of {rows} row(s); build padding-free batches with "
-            "PaddingFreeCollator."
+            f"{list(bounds[:4])}...{list(bounds[-1:])} for a batch of {rows} row(s); build padding-free batches "
+            "with PaddingFreeCollator."
         )
-    return bounds
 
 
 def _document_bounds(query: Tensor, document_ids: Tensor | None, cu_seq_lens: Tensor | None) -> list[list[int]]:

@@ -316,6 +316,37 @@ def test_varlen_by_document_puts_a_row_through_one_varlen_call(monkeypatch, caus
     assert all(tensor is starts[0] for tensor in starts)  # copied to the device once, not once per layer
 
 
+def test_a_rows_bounds_are_checked_and_prepared_once_not_once_per_layer(monkeypatch) -> None:
+    """Every layer of a forward reads the same row's bounds: checking them (a pass over all documents) and preparing
+    the kernel's starts and longest document (another) in each of 28 layers was host time a GPU waited for."""
+    import itertools
+
+    import lit_memtrain.techniques.attention as attention
+
+    passes = []
+
+    def pairwise(values):
+        passes.append(len(values))
+        return itertools.pairwise(values)
+
+    attention._check_bounds.cache_clear()  # what an earlier test left remembered
+    attention._varlen_documents.cache_clear()
+    monkeypatch.setattr(attention, "pairwise", pairwise)
+    monkeypatch.setattr(attention, "_VARLEN_KERNEL", (_reference_varlen, {"is_causal": True}, True))
+    monkeypatch.setattr(attention, "_varlen_runs", lambda query, dropout: True)
+    model = build_model(VARLEN_BY_DOCUMENT, num_hidden_layers=3)
+    batch = PaddingFreeCollator()(documents(model.config.vocab_size))
+    inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
+    rows = [torch.tensor([0, 2, 9, 15]), torch.tensor([0, 6, 6, 15])]  # another row's, then one with an empty document
+    with torch.no_grad():
+        for bounds in rows * 2:  # two steps of each row, each bounds tensor a new one, as the module makes them
+            model(**inputs, cu_seq_lens_q=bounds.clone())
+    assert passes == [4, 4, 4, 3]  # per row: one check, one preparation (empty documents left out) for all layers
+    for _ in range(2):  # a failed check is not remembered: it raises every time
+        with pytest.raises(ValueError, match="cu_seq_lens_q must rise from 0 to 15"):
+            model(**inputs, cu_seq_lens_q=torch.tensor([0, 9, 6, 15]))
+
+
 def test_varlen_by_document_without_its_kernel_is_sdpa_by_document() -> None:
     ours, reference = build_model(VARLEN_BY_DOCUMENT), build_model(SDPA_BY_DOCUMENT)
     batch = PaddingFreeCollator()(documents(ours.config.vocab_size))
