@@ -18,16 +18,21 @@ median 150, ids folded into the tiny vocabulary).
   schedule (the module's own ``optimizer_and_schedule``) on the same batches, nothing else.
 
 CUDA's ``varlen_attn`` does not run on the CPU: both runs use a stand-in with its signature (``q + k + v``: one
-cheap operator per layer where the GPU launches one kernel), so the host path through our attention (bounds read,
-checked and cached per layer, grouped heads repeated) is the one the GPU run takes. A step's time is between the
-starts of consecutive batches (Lightning's whole loop included); medians over the timed steps after warm-up. Then
-the next steps of each run under ``cProfile`` (its own overhead inflates Python; read shares, not times): the top
-entries by cumulative and own time, and own time summed by package. Checked: both runs compute the same losses.
+cheap operator per layer where the GPU launches one kernel), so the host path through our attention (bounds read
+per layer, checked once per row, grouped heads repeated) is the one the GPU run takes. A step's time is between
+the starts of consecutive batches (Lightning's whole loop included), in this process's CPU time (the machine may be
+shared: a step that waits for a core does not count the wait), its lead-in (from the end of the step before, where
+the bar reads the loss and a GPU has drained, to the first decoder layer: the host time a GPU waits for) and the
+forward through the layers; medians over every round's timed steps, each round running the runs in another order.
+The same pair on each row's first 512 tokens measures our stack's time with little arithmetic around it. Then the
+next steps of each run under ``cProfile`` (its own overhead inflates Python; read shares, not times): the top
+entries by cumulative and own time, and own time summed by package. Checked: ours and the plain loop compute the
+same losses; ``--save`` / ``--compare`` check a change of ours against the losses and weights before it.
 
-Run from the repository root (about 90 s on 2 cores)::
+Run from the repository root (about 40 s on 2 cores)::
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/host_overhead.py
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/host_overhead.py --steps 6 --save before.pt  # losses, weights
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/host_overhead.py --save before.pt  # then --compare before.pt
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -84,9 +89,11 @@ class StepClock:
     batches from ``profile_from`` on."""
 
     def __init__(self, profile_from: int) -> None:
-        self.starts: list[float] = []
+        self.starts: list[float] = []  # this process's CPU time: the machine is shared, a step may wait for a core
+        self.wall: list[float] = []
         self.ends: list[float] = []
         self.first_layer: dict[int, float] = {}  # by batch: its last forward (a setup probe runs one before)
+        self.last_layer: dict[int, float] = {}
         self.profile_from = profile_from
         self.profiler = cProfile.Profile()
 
@@ -94,30 +101,42 @@ class StepClock:
         from lit_memtrain.models.layers import find_decoder_layers
 
         def started(*_: Any) -> None:
-            self.first_layer[len(self.starts) - 1] = time.perf_counter()
+            self.first_layer[len(self.starts) - 1] = time.process_time()
 
-        find_decoder_layers(model)[0].register_forward_pre_hook(started)
+        def ended(*_: Any) -> None:
+            self.last_layer[len(self.starts) - 1] = time.process_time()
+
+        layers = find_decoder_layers(model)
+        layers[0].register_forward_pre_hook(started)
+        layers[-1].register_forward_hook(ended)
 
     def batch_start(self, index: int) -> None:
-        self.starts.append(time.perf_counter())
+        self.starts.append(time.process_time())
+        self.wall.append(time.perf_counter())
         if index == self.profile_from:
             self.profiler.enable()
 
     def batch_end(self) -> None:
-        self.ends.append(time.perf_counter())
+        self.ends.append(time.process_time())
 
     def end(self) -> None:
-        self.starts.append(time.perf_counter())
+        self.starts.append(time.process_time())
+        self.wall.append(time.perf_counter())
         self.profiler.disable()
 
-    def step_ms(self, first: int, last: int) -> list[float]:
-        return [(b - a) * 1e3 for a, b in zip(self.starts[first:last], self.starts[first + 1 : last + 1])]
+    def step_ms(self, first: int, last: int, wall: bool = False) -> list[float]:
+        marks = self.wall if wall else self.starts
+        return [(b - a) * 1e3 for a, b in zip(marks[first:last], marks[first + 1 : last + 1])]
 
     def lead_in_ms(self, first: int, last: int) -> list[float]:
         """From the end of the step before to this step's first decoder layer: Lightning's loop, the next batch,
         the hooks, the embedding and transformers' mask building; a GPU drained by the previous step's loss read
         has nothing to run meanwhile."""
         return [(self.first_layer[i] - self.ends[i - 1]) * 1e3 for i in range(first, last)]
+
+    def layers_ms(self, first: int, last: int) -> list[float]:
+        """From the first decoder layer's start to the last one's end: the forward through the layers."""
+        return [(self.last_layer[i] - self.first_layer[i]) * 1e3 for i in range(first, last)]
 
 
 def fit_ours(settings: dict[str, Any], batches: list[dict[str, Any]], log_every_step: bool) -> dict[str, Any]:
@@ -223,8 +242,10 @@ def finish(settings: dict[str, Any], clock: StepClock, losses: list, model: torc
     warmup, steps = settings["warmup"], settings["steps"]
     return {
         "step_ms": clock.step_ms(warmup, warmup + steps),
+        "wall_ms": clock.step_ms(warmup, warmup + steps, wall=True),
         "lead_in_ms": clock.lead_in_ms(warmup, warmup + steps),
-        "profiled_ms": clock.step_ms(warmup + steps, len(clock.starts) - 1),
+        "layers_ms": clock.layers_ms(warmup, warmup + steps),
+        "profiled_ms": clock.step_ms(warmup + steps, len(clock.starts) - 1, wall=True),
         "profile": clock.profiler,
         "losses": torch.stack(losses).float(),
         "weights": {name: p.detach().clone() for name, p in model.named_parameters()},
@@ -266,7 +287,8 @@ def top(profile: cProfile.Profile, sort: str, count: int, steps: int, only: str 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--warmup", type=int, default=2, help="steps before the timed ones (at least 1)")
-    parser.add_argument("--steps", type=int, default=8, help="timed steps")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps of each run in each round")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of every run, each in another order")
     parser.add_argument("--profiled", type=int, default=2, help="steps under cProfile after the timed ones")
     parser.add_argument("--top", type=int, default=25, help="profile entries shown")
     parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-true"],
@@ -290,13 +312,28 @@ def main() -> None:
     disable_possible_user_warnings()
     batches = packed_batches(settings)
     documents = statistics.mean(len(b["cu_seq_lens_on_host"]) - 1 for b in batches)
-    short = settings | {"max_length": SHORT_ROWS}
-    runs: dict[str, dict[str, Any]] = {"plain loop": fit_plain(settings, batches)}
-    runs["ours (as step_profile)"] = fit_ours(settings, batches, log_every_step=False)
-    if not args.no_csv:
-        runs["ours, CSVLogger every step"] = fit_ours(settings, batches, log_every_step=True)
-    runs[f"plain loop, {SHORT_ROWS}-token rows"] = fit_plain(short, [first_tokens(b, SHORT_ROWS) for b in batches])
-    report(args, settings, documents, runs)
+    short, short_batches = settings | {"max_length": SHORT_ROWS}, [first_tokens(b, SHORT_ROWS) for b in batches]
+    fits: dict[str, Callable[[], dict[str, Any]]] = {
+        "plain loop": lambda: fit_plain(settings, batches),
+        "ours (as step_profile)": lambda: fit_ours(settings, batches, log_every_step=False),
+        "ours, CSVLogger every step": lambda: fit_ours(settings, batches, log_every_step=True),
+        f"plain loop, {SHORT_ROWS}-token rows": lambda: fit_plain(short, short_batches),
+        f"ours, {SHORT_ROWS}-token rows": lambda: fit_ours(short, short_batches, log_every_step=False),
+    }
+    if args.no_csv:
+        del fits["ours, CSVLogger every step"]
+    runs: dict[str, dict[str, Any]] = {}
+    names = list(fits)
+    for round_ in range(args.rounds):  # each round in another order: the machine's load drifts
+        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+            run = fits[name]()
+            if name in runs:  # the step times of every round; the profile, losses and weights of the last
+                run.update({key: runs[name][key] + run[key] for key in TIMES})
+            runs[name] = run
+    report(args, settings, documents, {name: runs[name] for name in names})
+
+
+TIMES = ("step_ms", "wall_ms", "lead_in_ms", "layers_ms")
 
 
 SHORT_ROWS = 512
@@ -313,26 +350,33 @@ def first_tokens(batch: dict[str, Any], length: int) -> dict[str, Any]:
 
 def report(args: argparse.Namespace, settings: dict[str, Any], documents: float, runs: dict[str, Any]) -> None:
     print(f"\nQwen3, 28 layers of {TINY}, {settings['precision']}, rows of {settings['max_length']:,} tokens "
-          f"({documents:.0f} documents a row on average); medians of {args.steps} steps after {args.warmup}; "
+          f"({documents:.0f} documents a row on average); medians of {args.rounds} rounds of {args.steps} steps after "
+          f"{args.warmup}; "
           f"torch threads {torch.get_num_threads()}")  # fmt: skip
-    plain = runs["plain loop"]
-    floor, lead_floor = statistics.median(plain["step_ms"]), statistics.median(plain["lead_in_ms"])
-    print(f"{'run':<36} {'ms/step':>8} {'min':>7} {'max':>7} {'- plain':>8} {'lead-in':>8} {'- plain':>8}")
+    print(f"{'run':<36} {'CPU ms/step':>11} {'min':>7} {'max':>7} {'- plain':>8} {'lead-in':>8} {'- plain':>8} "
+          f"{'layers':>7} {'wall ms':>8} {'- plain':>8}")  # fmt: skip
     for name, run in runs.items():
+        plain = runs["plain loop" if "token rows" not in name else f"plain loop, {SHORT_ROWS}-token rows"]
+        floor, lead_floor = statistics.median(plain["step_ms"]), statistics.median(plain["lead_in_ms"])
         median, lead = statistics.median(run["step_ms"]), statistics.median(run["lead_in_ms"])
-        print(f"{name:<36} {median:>8.1f} {min(run['step_ms']):>7.1f} {max(run['step_ms']):>7.1f} "
-              f"{median - floor:>8.1f} {lead:>8.1f} {lead - lead_floor:>8.1f}")  # fmt: skip
-    print("lead-in: from the end of the step before (the loss computed, the weights updated; the progress bar then "
-          "reads the loss) to the first decoder layer, ms")  # fmt: skip
+        wall, layers = statistics.median(run["wall_ms"]), statistics.median(run["layers_ms"])
+        wall_floor = statistics.median(plain["wall_ms"])
+        print(f"{name:<36} {median:>11.1f} {min(run['step_ms']):>7.1f} {max(run['step_ms']):>7.1f} "
+              f"{median - floor:>8.1f} {lead:>8.1f} {lead - lead_floor:>8.1f} {layers:>7.1f} {wall:>8.1f} "
+              f"{wall - wall_floor:>8.1f}")  # fmt: skip
+    print("CPU: this process's CPU time (the machine may be shared); - plain: against the plain loop on the same rows; "
+          "lead-in: CPU time from the end of the step before (the loss computed, the weights updated; the progress bar "
+          "then reads the loss) to the first decoder layer; layers: the forward through the 28 decoder layers")
     for name, run in runs.items():
         if name.startswith("ours"):
+            plain = runs["plain loop" if "token rows" not in name else f"plain loop, {SHORT_ROWS}-token rows"]
             same = torch.equal(run["losses"], plain["losses"])
             print(f"{name}: losses {'bit-identical to' if same else 'DIFFER from'} the plain loop's")
 
     tables = {name: by_package(run["profile"], len(run["profiled_ms"])) for name, run in runs.items()}
     places = sorted({where for table in tables.values() for where in table}, key=lambda w: -tables["plain loop"].get(
         w, 0) - tables["ours (as step_profile)"].get(w, 0))  # fmt: skip
-    names = [name for name in runs if not name.startswith(f"plain loop, {SHORT_ROWS}")]
+    names = [name for name in runs if "token rows" not in name]
     print(f"\ncProfile, {args.profiled} steps of each: own time per step by where the function lives, ms "
           "(Python operators on tensors count as their caller's)")  # fmt: skip
     print(f"{'':<34}" + "".join(f"{name[:26]:>28}" for name in names))
