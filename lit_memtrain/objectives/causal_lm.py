@@ -392,6 +392,8 @@ class CausalLMModule(LightningModule):
             trainer.global_step, trainer.log_every_n_steps, trainer.max_steps, self.model, self.device,
             str(trainer.precision),
         )  # fmt: skip
+        # Logged when measured, not at every step: Lightning reports the value at every later step of the epoch (its
+        # logger and progress bar read the same figures), and each self.log costs host time (0.24 ms on this CPU).
         # Host tensors, not floats: Lightning makes a logged float a tensor on the module's device, a copy from host
         # memory that waits for the device (one sync per metric per step); a host tensor stays there. At least fp32,
         # as Lightning's own conversion (a bf16 default dtype would round them).

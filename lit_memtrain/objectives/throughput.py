@@ -157,7 +157,8 @@ class ThroughputMeter:
 
     Counts are kept as the batches give them (host ints, or device tensors read only at a measurement), so
     counting a batch never waits for the device; a measurement synchronises the device once, at the end of
-    each window, and its metrics are logged at every batch until the next one.
+    each window, and its metrics are logged then (Lightning reports a value logged at a step at every later step
+    of the epoch until it is logged again).
 
     Attributes:
         tokens_seen: real tokens of all training batches so far, summed over the ranks (an ``int``, or a 0-d
@@ -196,8 +197,9 @@ class ThroughputMeter:
     def update(
         self, step: int, every: int, max_steps: int, model: nn.Module, device: torch.device, precision: str
     ) -> dict[str, float]:
-        """The latest :attr:`metrics`, measured anew when optimizer step ``step`` ends a window: every ``every``
-        steps (Lightning's ``log_every_n_steps``) and at the last (``max_steps``, when positive).
+        """The metrics measured anew when optimizer step ``step`` ends a window: every ``every`` steps
+        (Lightning's ``log_every_n_steps``) and at the last (``max_steps``, when positive); an empty dict at any
+        other step (the latest stay in :attr:`metrics`).
 
         ``model`` gives the FLOPs per token (:func:`training_flops`), ``device`` and ``precision`` (Lightning's
         precision string) the peak MFU is measured against.
@@ -206,7 +208,8 @@ class ThroughputMeter:
         if step != self._measured_at_step and (step % every == 0 or last):
             self.metrics = self._measure(model, device, _compute_dtype(precision, model))
             self._measured_at_step = step
-        return self.metrics
+            return self.metrics
+        return {}
 
     def _measure(self, model: nn.Module, device: torch.device, dtype: torch.dtype) -> dict[str, float]:
         _synchronize(device)

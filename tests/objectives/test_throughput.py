@@ -92,6 +92,33 @@ def test_throughput_is_measured_every_log_every_n_steps_with_one_sync_each(tmp_p
         assert "train/device/mfu" not in row or row["train/device/mfu"] == ""  # no peak FLOP/s on a CPU
 
 
+def test_throughput_is_logged_when_measured_and_reported_at_every_step_until_the_next(tmp_path, monkeypatch):
+    """Each self.log costs host time every step (Lightning copies the metric's metadata); a value logged once is
+    reported by Lightning at every later step of the epoch, so the figures the logger and the bar get are the same."""
+    logged, shown = [], []
+    log = CausalLMModule.log
+
+    def counted(self, name, value, *args, **kwargs):
+        if "per_sec" in name:
+            logged.append((self.trainer.global_step, name))
+        return log(self, name, value, *args, **kwargs)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        end(self, outputs, batch, batch_idx)
+        shown.append(self.trainer.progress_bar_metrics.get("train/tokens_per_sec"))
+        latest = self.throughput.metrics.get("train/tokens_per_sec")  # logged as a float32 host tensor
+        assert shown[-1] == (None if latest is None else float(torch.tensor(latest, dtype=torch.float32)))
+
+    end = CausalLMModule.on_train_batch_end
+    monkeypatch.setattr(CausalLMModule, "log", counted)
+    monkeypatch.setattr(CausalLMModule, "on_train_batch_end", on_train_batch_end)
+    _, rows = _fit(tmp_path, max_steps=5, every=2)
+    names = ["train/tokens_per_sec", "train/device/tokens_per_sec", "train/device/flops_per_sec"]  # no MFU on a CPU
+    assert logged == [(step, name) for step in (2, 4, 5) for name in names]  # the windows' ends, the last step
+    assert shown[0] is None and None not in shown[1:] and shown[1] == shown[2] != shown[3]  # steps 2-3, then 4
+    assert [row["step"] for row in rows if row.get("train/tokens_per_sec")] == ["1", "3"]  # logger: steps 2 and 4
+
+
 def test_mfu_is_model_flops_per_second_over_the_devices_peak(tmp_path, monkeypatch):
     monkeypatch.setattr(throughput_file, "peak_flops", lambda device, dtype: 1e9)
     _, rows = _fit(tmp_path, max_steps=2, every=1)
