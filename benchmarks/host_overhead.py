@@ -29,7 +29,7 @@ next steps of each run under ``cProfile`` (its own overhead inflates Python; rea
 entries by cumulative and own time, and own time summed by package. Checked: ours and the plain loop compute the
 same losses; ``--save`` / ``--compare`` check a change of ours against the losses and weights before it.
 
-Run from the repository root (about 40 s on 2 cores)::
+Run from the repository root (about 50 s on 2 cores)::
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/host_overhead.py
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/host_overhead.py --save before.pt  # then --compare before.pt
@@ -276,7 +276,8 @@ def top(profile: cProfile.Profile, sort: str, count: int, steps: int, only: str 
     for (filename, line, name), (_, calls, tottime, cumtime, _) in pstats.Stats(profile).stats.items():
         if only is None or re.search(only, filename):
             short = "/".join(Path(filename).parts[-2:]) if filename != "~" else ""
-            rows.append((cumtime if sort == "cumulative" else tottime, calls, tottime, cumtime, f"{short}:{line}({name})"))
+            key = cumtime if sort == "cumulative" else tottime
+            rows.append((key, calls, tottime, cumtime, f"{short}:{line}({name})"))
     rows.sort(key=lambda row: -row[0])
     lines = [f"{'calls/step':>10} {'own ms':>8} {'cum ms':>8}  function"]
     for _, calls, tottime, cumtime, where in rows[:count]:
@@ -288,7 +289,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--warmup", type=int, default=2, help="steps before the timed ones (at least 1)")
     parser.add_argument("--steps", type=int, default=6, help="timed steps of each run in each round")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of every run, each in another order")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds of every run, each in another order")
     parser.add_argument("--profiled", type=int, default=2, help="steps under cProfile after the timed ones")
     parser.add_argument("--top", type=int, default=25, help="profile entries shown")
     parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-true"],
