@@ -21,6 +21,7 @@ FLOP/s and MFU, synchronising the device once per window rather than once per ba
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -98,12 +99,17 @@ def matmul_parameters(model: nn.Module) -> float:
     return total
 
 
-def training_flops(model: nn.Module, tokens: int | Tensor, pairs: int | Tensor) -> float:
-    """Model FLOPs of one training pass (forward and backward) over ``tokens`` with ``pairs`` attention pairs."""
+def training_flops(
+    model: nn.Module, tokens: int | Tensor, pairs: int | Tensor, parameters: float | None = None
+) -> float:
+    """Model FLOPs of one training pass (forward and backward) over ``tokens`` with ``pairs`` attention pairs;
+    ``parameters``: the model's :func:`matmul_parameters`, where counted already (a pass over every parameter)."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     width = config.num_attention_heads * head_dim
-    return 6.0 * matmul_parameters(model) * int(tokens) + 12.0 * config.num_hidden_layers * width * int(pairs)
+    if parameters is None:
+        parameters = matmul_parameters(model)
+    return 6.0 * parameters * int(tokens) + 12.0 * config.num_hidden_layers * width * int(pairs)
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
@@ -176,6 +182,9 @@ class ThroughputMeter:
         self._pairs: int | Tensor = 0
         self._seen_from: int | Tensor = 0
         self._measured_at_step = 0
+        # The model whose matmul_parameters were counted, and the count: a model's parameters keep their shapes
+        # through a fit, and counting walks every module (a millisecond a window for 28 layers).
+        self._counted: tuple[weakref.ref[nn.Module], float] | None = None
 
     def start(self, device: torch.device, step: int) -> None:
         """Open the first window at optimizer step ``step`` (0, or where a resumed run restarts)."""
@@ -217,7 +226,9 @@ class ThroughputMeter:
         elapsed = max(now - self._started_at, 1e-9)
         tokens = int(self._tokens)
         total = int(self.tokens_seen) - int(self._seen_from)  # what train/tokens rose by
-        flops_per_sec = training_flops(model, tokens, self._pairs) / elapsed
+        if self._counted is None or self._counted[0]() is not model:
+            self._counted = (weakref.ref(model), matmul_parameters(model))
+        flops_per_sec = training_flops(model, tokens, self._pairs, self._counted[1]) / elapsed
         metrics = {
             "train/tokens_per_sec": total / elapsed,
             "train/device/tokens_per_sec": tokens / elapsed,

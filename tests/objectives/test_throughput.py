@@ -19,7 +19,13 @@ from lit_memtrain.datamodules.collate import PaddedCollator
 from lit_memtrain.datamodules.padding_free import PaddingFreeCollator
 from lit_memtrain.objectives.causal_lm import CausalLMModule
 from lit_memtrain.models.presets import build_config
-from lit_memtrain.objectives.throughput import attention_pairs, count_tokens, matmul_parameters, training_flops
+from lit_memtrain.objectives.throughput import (
+    ThroughputMeter,
+    attention_pairs,
+    count_tokens,
+    matmul_parameters,
+    training_flops,
+)
 
 DOCS = [{"input_ids": ids, "labels": ids} for ids in ([5, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23])]
 
@@ -72,6 +78,24 @@ def _fit(
     trainer.fit(module, DataLoader(batches, batch_size=None))
     with (tmp_path / "metrics.csv").open() as file:
         return module, [row for row in csv.DictReader(file)]
+
+
+def test_the_meter_counts_a_models_parameters_once_and_again_for_another_model(monkeypatch):
+    """Counting walks every module and parameter (host time at each window's end); a fit's model keeps its shapes."""
+    counted = []
+    monkeypatch.setattr(throughput_file, "matmul_parameters", lambda m: counted.append(m) or matmul_parameters(m))
+    models = [AutoModelForCausalLM.from_config(build_config("tiny-qwen3", {"num_hidden_layers": n})) for n in (1, 2)]
+    batch = {"input_ids": torch.zeros(1, 8, dtype=torch.long)}
+    meter, cpu = ThroughputMeter(), torch.device("cpu")
+    meter.start(cpu, 0)
+    per_token = []
+    for step, model in enumerate([models[0]] * 3 + [models[1]] * 2, start=1):
+        meter.count(batch, 1, cpu, None)
+        metrics = meter.update(step, 1, 0, model, cpu, "32-true")
+        per_token.append(metrics["train/device/flops_per_sec"] / metrics["train/device/tokens_per_sec"])
+    assert [id(model) for model in counted] == [id(models[0]), id(models[1])]  # once each, not at every window
+    for model, flops in zip([models[0]] * 3 + [models[1]] * 2, per_token):
+        assert flops == pytest.approx(training_flops(model, 8, 36) / 8, rel=1e-9)
 
 
 def test_throughput_is_measured_every_log_every_n_steps_with_one_sync_each(tmp_path, monkeypatch):
