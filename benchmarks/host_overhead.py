@@ -293,8 +293,8 @@ def main() -> None:
     parser.add_argument("--profiled", type=int, default=2, help="steps under cProfile after the timed ones")
     parser.add_argument("--top", type=int, default=25, help="profile entries shown")
     parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-true"],
-                        help="bf16-true is the GPU fit's, but bf16 arithmetic is slow on a CPU; the host path differs "
-                        "by Lightning's default-dtype context only")  # fmt: skip
+                        help="bf16-true is the GPU fit's; its host path differs by Lightning's default-dtype context "
+                        "only, and bf16 arithmetic is slower on some CPUs")  # fmt: skip
     parser.add_argument("--save", help="write the losses and final weights of ours (as step_profile) here")
     parser.add_argument("--compare", help="check ours (as step_profile) against losses and weights saved by --save")
     parser.add_argument("--no-csv", action="store_true", help="leave out the run that logs every step")
