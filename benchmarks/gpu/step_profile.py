@@ -23,9 +23,12 @@ fresh one), so none measures what another left alive:
   over the steps after the first (parameters, gradients and AdamW state all alive, what ``plan`` predicts).
 - The profiled step, as shares of its wall time: GPU kernels in attention, in matrix products (outside the
   loss), in the chunked loss (everything under ``_ChunkedCrossEntropySum``, forward and backward: its head
-  matmuls too), in the optimizer (``Optimizer.step``, ``zero_grad``), other kernels (norms, RoPE, activations,
+  matmuls too), in the optimizer (AdamW's kernels and gradient clipping's norms, by name: Lightning runs the forward
+  and backward inside ``Optimizer.step``), other kernels (norms, RoPE, activations,
   copies), and the time the GPU sat idle (host gaps: launch overhead, syncs, Python). On the CPU (dry run) the
-  operators' own CPU time stands in for kernels, and the time outside any operator for the idle GPU.
+  operators' own CPU time stands in for kernels, and the time outside any operator for the idle GPU. Then the
+  twelve heaviest kernels by name, with their calls and time a call (a few long ones, or many short ones that
+  launches bound).
 - ``trl``: TRL's ``SFTTrainer`` (``packing=True``, bfd, padding-free, sdpa, bf16, ``adamw_torch_fused``,
   ``max_grad_norm=1.0``, no checkpointing) on the same documents, pre-tokenized, through a JSON-lines file
   (``load_dataset("json")``: ``Dataset.from_dict`` fails to fingerprint under datasets 5.2 + dill 0.4.1 on
@@ -131,20 +134,36 @@ def plan_fit(settings: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+# Names of what the optimizer step runs (AdamW's fused or foreach kernels, gradient clipping's norms): the ``Optimizer.
+# step#...`` range itself is no mark, since Lightning runs the forward and backward inside it (the closure).
+OPTIMIZER_WORDS = ("adam", "_foreach_", "zero_grad", "clip_grad")
+ATTENTION_WORDS = ("flash", "fmha", "varlen", "scaled_dot_product", "attention")
+MATMUL_WORDS = ("gemm", "cutlass", "xmma", "nvjet", "cublas", "aten::mm", "aten::addmm", "aten::bmm", "matmul")
+
+
 def classify(name: str, ancestors: list[str]) -> str:
     """The share of :data:`SHARES` a kernel (or, on the CPU, an operator) named ``name`` belongs to, given the
-    names of the operators it ran under (innermost first)."""
+    names of the operators it ran under (innermost first): the chunked loss where it ran under it, else the
+    innermost attention or optimizer mark, else a matrix product (by the kernel's name or its operator's)."""
     lowered = [n.lower() for n in (name, *ancestors)]
     if any("_chunkedcrossentropysum" in n for n in lowered):
         return "chunked loss"
-    if any(n.startswith("optimizer.") or "zero_grad" in n for n in lowered):
-        return "optimizer"
-    if any(word in n for n in lowered for word in ("flash", "fmha", "varlen", "scaled_dot_product", "attention")):
-        return "attention"
-    matmul_words = ("gemm", "cutlass", "xmma", "nvjet", "cublas", "aten::mm", "aten::addmm", "aten::bmm", "matmul")
-    if any(word in n for n in lowered[:2] for word in matmul_words):
+    for n in lowered:
+        if n.startswith("optimizer."):  # Optimizer.step#AdamW.step, Optimizer.zero_grad#...: see OPTIMIZER_WORDS
+            continue
+        if any(word in n for word in ATTENTION_WORDS):
+            return "attention"
+        if any(word in n for word in OPTIMIZER_WORDS):
+            return "optimizer"
+    if any(word in n for n in lowered[:2] for word in MATMUL_WORDS):
         return "matmul"
     return "other kernels"
+
+
+def _is_operator(event: Any) -> bool:
+    """A CPU event that is an operator, not a range around Python (``Optimizer.step#...``, whose own time is the
+    host's: the dry run counts it with the time outside any operator)."""
+    return event.device_type.name == "CPU" and not event.name.lower().startswith("optimizer.")
 
 
 def _ancestors(event: Any) -> Iterator[str]:
@@ -170,10 +189,36 @@ def step_shares(events: list[Any], wall_us: float, on_gpu: bool) -> dict[str, fl
         busy["GPU idle (host gaps)"] = max(0.0, wall_us - covered)
     else:
         for event in events:
-            if event.device_type.name == "CPU":
+            if _is_operator(event):
                 busy[classify(event.name, list(_ancestors(event)))] += event.self_cpu_time_total
         busy["GPU idle (host gaps)"] = max(0.0, wall_us - sum(busy.values()))  # outside any operator
     return {name: value / wall_us for name, value in busy.items()}
+
+
+def heaviest_kernels(events: list[Any], wall_us: float, on_gpu: bool, count: int = 12) -> list[list[Any]]:
+    """The ``count`` kernels (on the CPU, operators) that took most of the profiled step, by name: their share of
+    :data:`SHARES`, calls, milliseconds in all, microseconds a call and share of ``wall_us``. Why: a share says where
+    the time went, this says which kernel and whether it is a few long ones (to make faster) or many short ones
+    (launch-bound: to fuse, as compiled layers do)."""
+    totals: dict[str, list[Any]] = {}
+    for event in events:
+        if on_gpu:
+            launched = [(kernel.name, kernel.duration, [event.name, *_ancestors(event)])
+                        for kernel in getattr(event, "kernels", ())]  # fmt: skip
+        elif _is_operator(event):
+            launched = [(event.name, event.self_cpu_time_total, list(_ancestors(event)))]
+        else:
+            launched = []
+        for name, duration, ancestors in launched:
+            row = totals.setdefault((name, classify(name, ancestors)), [0, 0.0])
+            row[0] += 1
+            row[1] += duration
+    heaviest = sorted(totals.items(), key=lambda item: -item[1][1])[:count]
+    return [[name if len(name) <= 90 else name[:87] + "...", share, calls, total / 1e3, total / calls,
+             total / wall_us] for (name, share), (calls, total) in heaviest]  # fmt: skip
+
+
+KERNEL_COLUMNS = ["kernel", "where", "calls", "ms", "us a call", "share of the step"]
 
 
 def fit_ours(settings: dict[str, Any]) -> dict[str, Any]:
@@ -253,6 +298,7 @@ def fit_ours(settings: dict[str, Any]) -> dict[str, Any]:
         "peak_gib": torch.cuda.max_memory_allocated() / GIB if cuda else math.nan,
         "profiled_step_s": measure.profiled_us / 1e6,
         "shares": step_shares(list(measure.profiler.events()), measure.profiled_us, cuda),
+        "kernels": heaviest_kernels(list(measure.profiler.events()), measure.profiled_us, cuda),
         "tokens_per_step": tokens / steps,
     }
 
@@ -340,6 +386,7 @@ def compiled_only(args: argparse.Namespace, settings: dict[str, Any]) -> None:
                 ours["tokens_per_s"], ours["mfu"], ours["mfu_6n"], ours["logged_mfu"], ours["peak_gib"]]]),
         table(f"One profiled step of ours, compiled ({ours['profiled_step_s']:.3f} s): share of its wall time",
               ["where", "share"], [[name, shares[name]] for name in SHARES]),
+        table("Its heaviest kernels", KERNEL_COLUMNS, ours["kernels"]),
     ]  # fmt: skip
     checks = [] if args.dry_run else [
         check("ours, compiled, logged an MFU (train/device/mfu) on this GPU", not math.isnan(ours["logged_mfu"]),
@@ -401,6 +448,7 @@ def main() -> None:
               "tokens/s vs ours", "MFU", "MFU (6N only)", "MFU logged by the module"], speed_rows),
         table(f"One profiled step of ours ({ours['profiled_step_s']:.3f} s): share of its wall time",
               ["where", "share"], [[name, shares[name]] for name in SHARES]),
+        table("Its heaviest kernels", KERNEL_COLUMNS, ours["kernels"]),
         table("The fit's peak device memory (from its second step) against `plan` with the same arguments",
               ["planned GiB", "attention planned", "measured GiB", "attention run", "measured / planned"],
               [[plan["peak_gib"], plan["attention"], ours["peak_gib"], ours["attention"], ratio]]),

@@ -143,10 +143,15 @@ def test_dry_run_without_the_optional_packages_runs_every_part_and_writes_the_re
     assert all(row[2] > 0 and row[3] is None for row in planner)  # predicted; nothing measured on the CPU
     assert planner[2][2] > planner[0][2]  # more tokens, more memory
 
-    speed, shares, memory = (t["rows"] for t in parts["step profile"]["result"]["tables"])
+    speed, shares, kernels, memory = (t["rows"] for t in parts["step profile"]["result"]["tables"])
     assert speed[0][0] == "lit-memtrain fit" and speed[0][4] > 0 and speed[1][0] == "TRL SFTTrainer (skipped: trl missing)"
     assert [row[0] for row in shares][:4] == ["attention", "matmul", "chunked loss", "optimizer"]
     assert 0.99 < sum(row[1] for row in shares) < 1.01 and all(row[1] >= 0 for row in shares)
+    # Lightning runs the forward and backward inside Optimizer.step (its closure): they are not the optimizer's.
+    shares = dict(shares)
+    assert shares["matmul"] > 0 and shares["attention"] > 0 and shares["optimizer"] < 0.2, shares
+    assert {row[1] for row in kernels} >= {"matmul", "attention"} and len(kernels) == 12
+    assert all(row[2] >= 1 and row[3] > 0 and 0 < row[5] < 1 for row in kernels), kernels
     assert memory[0][0] > 0 and memory[0][2] is None  # planned; nothing measured on the CPU
     compiled = parts["step profile compiled"]["result"]["tables"][0]["rows"]
     assert compiled[0][0] == "lit-memtrain fit, compiled layers" and compiled[0][4] > 0
@@ -322,3 +327,25 @@ def test_gpu_tests_part_counts_a_missing_optional_package_as_skipped(tmp_path):
         "test_skipped": ("skipped", "needs CUDA"),
         "test_uncollectable": ("skipped", "needs wandb, which is not installed"),
     }
+
+
+def test_step_profile_classifies_cuda_kernels_by_what_launched_them(check_module):
+    """The step profile's shares on a GPU, from kernel names as CUDA's profiler gives them: Lightning runs the forward
+    and backward inside ``Optimizer.step`` (its closure), so that range marks nothing; the optimizer is its kernels."""
+    import step_profile
+
+    step = "Optimizer.step#AdamW.step"
+    cases = {
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", ("aten::mm", "aten::linear", step)): "matmul",
+        ("nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NNT", ("aten::mm", "autograd::engine::evaluate_function: "
+                                                       "MmBackward0")): "matmul",
+        ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>",
+         ("aten::add", step)): "other kernels",
+        ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>",
+         ("aten::_fused_adamw_", step)): "optimizer",
+        ("void at::native::lpnorm_cleanup<float, 2>", ("aten::_foreach_norm", "clip_gradients")): "optimizer",
+        ("flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>", ("aten::_flash_attention_forward", step)):
+            "attention",
+        ("sm90_xmma_gemm_bf16bf16_bf16f32", ("aten::mm", "_ChunkedCrossEntropySum", step)): "chunked loss",
+    }  # fmt: skip
+    assert {key: step_profile.classify(key[0], list(key[1])) for key in cases} == cases
