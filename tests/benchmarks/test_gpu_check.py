@@ -367,3 +367,18 @@ def test_step_profile_counts_the_graphs_compiled_inside_its_timed_steps(check_mo
     finally:
         torch.compiler.reset()
     assert ours["compiled_in_timed_steps"] > 0
+
+
+def test_step_profile_runs_trl_with_the_attention_ours_runs(check_module, tmp_path):
+    """TRL's row compares the trainers, not attention kernels: with transformers' sdpa a packed row gets a dense
+    L x L mask computed block by block, so TRL trains with the document attention the module picks for the device
+    (on the CPU ``sdpa_by_document``), reading the bounds its padding-free collator passes."""
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    import step_profile
+
+    settings = {"preset": "tiny-qwen3", "max_length": 256, "rows": 3, "warmup_steps": 1, "steps": 1, "median_length": 20,
+                "device": "cpu", "precision": "32-true", "dtype": "float32", "seed": 0}  # fmt: skip
+    trl_run = step_profile.fit_trl(settings, str(tmp_path))
+    assert trl_run["attention"] == "sdpa_by_document"
+    assert 0 < trl_run["tokens_per_step"] <= 256 and trl_run["tokens_per_s"] > 0
