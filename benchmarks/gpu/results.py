@@ -51,7 +51,7 @@ from typing import Any
 
 __all__ = [
     "ISOLATION_VARIABLE", "OPTIONAL_PACKAGES", "START_METHOD_VARIABLE", "SettingLeaked", "add_arguments", "check",
-    "missing_optional_package", "run_isolated", "table", "watch", "write",
+    "missing_optional_package", "run_isolated", "table", "torch_flags", "watch", "write",
 ]
 
 # Packages a bare GPU machine may lack (import names): what fails only for want of one of them is skipped.
@@ -188,7 +188,8 @@ ISOLATION_VARIABLE = "GPU_CHECK_ISOLATION"
 # CUDA bytes allocated in this process once the libraries' own memory exists and before its first setting; None
 # until then.
 _floor: int | None = None
-# Why this process can no longer be proven clean for good: a setting raised in it (set by run_isolated).
+# Why this process can no longer be proven clean for good: a setting raised in it (set by run_isolated), or changed
+# torch's process-wide settings (set by _run_here).
 _raised_here: str | None = None
 
 
@@ -294,13 +295,46 @@ def _drop_frames(error: BaseException) -> None:
         error = error.__cause__ or error.__context__
 
 
+def torch_flags() -> dict[str, Any]:
+    """torch's process-wide settings that change what a later setting measures and that no proof of memory sees:
+    TF32 and reduced-precision reductions, SDPA's kernels, cuDNN's choices, the default dtype, grad mode, threads.
+    Empty while torch is not imported. Why: a library that turns one on in a setting (``TrainingArguments(tf32=...)``,
+    an ``sdpa_kernel`` left entered) would time every later setting of the process under it, unseen."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return {}
+    backends = torch.backends
+    return {
+        "default dtype": torch.get_default_dtype(), "grad mode": torch.is_grad_enabled(),
+        "float32 matmul precision": torch.get_float32_matmul_precision(),
+        "fp32 precision (matmul, cuDNN)": (getattr(backends.cuda.matmul, "fp32_precision", None),
+                                           getattr(backends.cudnn, "fp32_precision", None)),
+        "reduced-precision reductions (bf16, fp16)": (backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+                                                      backends.cuda.matmul.allow_fp16_reduced_precision_reduction),
+        "SDPA kernels (flash, memory-efficient, math, cuDNN)": (
+            backends.cuda.flash_sdp_enabled(), backends.cuda.mem_efficient_sdp_enabled(),
+            backends.cuda.math_sdp_enabled(), backends.cuda.cudnn_sdp_enabled()),
+        "cuDNN benchmark, deterministic": (backends.cudnn.benchmark, backends.cudnn.deterministic),
+        "deterministic algorithms": torch.are_deterministic_algorithms_enabled(), "threads": torch.get_num_threads(),
+    }  # fmt: skip
+
+
+def _changed_flags(before: dict[str, Any]) -> str:
+    """The :func:`torch_flags` that differ from ``before`` (``name: before -> now``), or ``""``."""
+    now = torch_flags()
+    return "; ".join(f"{key}: {value} -> {now[key]}" for key, value in before.items() if now.get(key) != value)
+
+
 def _run_here(function: Callable, args: tuple, kwargs: dict, timeout_s: float | None) -> Any:
-    """The setting in this process: arguments and result pickled as they would be to and from a fresh one, and
-    the environment variables it set taken back (Lightning leaves ``MASTER_PORT`` for the next run to reuse)."""
+    """The setting in this process: arguments and result pickled as they would be to and from a fresh one, the
+    environment variables it set taken back (Lightning leaves ``MASTER_PORT`` for the next run to reuse), and torch's
+    process-wide settings compared (one it changed sends every later setting to a fresh process)."""
+    global _raised_here
     name = getattr(function, "__qualname__", repr(function))
     function, args, kwargs = pickle.loads(pickle.dumps((function, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL))
     _watched.clear()
     environment = dict(os.environ)
+    flags = torch_flags()
     try:
         with _time_limit(timeout_s, name):
             result = function(*args, **kwargs)
@@ -310,6 +344,9 @@ def _run_here(function: Callable, args: tuple, kwargs: dict, timeout_s: float | 
     finally:
         os.environ.clear()
         os.environ.update(environment)
+    changed = _changed_flags(flags)
+    if changed:
+        _raised_here = f"{name} changed torch's process-wide settings ({changed})"
     _check_released(name)
     return pickle.loads(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
 

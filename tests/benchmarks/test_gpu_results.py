@@ -162,6 +162,21 @@ def after_a_setting_that_started_a_group_and_raised():
     results.write(results.Path(sys.argv[1]), summary="", tables=[])
 
 
+def turns_on_tf32():
+    import torch
+
+    torch.set_float32_matmul_precision("high")  # as TrainingArguments(tf32=True) does, for the rest of the process
+
+
+def after_a_setting_that_changed_a_torch_flag():
+    import torch  # noqa: F401 - imported before the first setting, as the GPU parts do
+
+    run_isolated(setting, 1)
+    run_isolated(turns_on_tf32)
+    run_isolated(setting, 1)  # elsewhere: it would run with TF32 here
+    results.write(results.Path(sys.argv[1]), summary="", tables=[])
+
+
 def starts_a_process_group_and_fails(port):
     sets_a_variable_and_starts_a_process_group(port)
     raise ValueError("stopped part way")
@@ -237,6 +252,14 @@ def test_a_raised_setting_is_still_released_before_the_next_one_runs_elsewhere(t
     lines, settings = _run_part(tmp_path, "after_a_setting_that_started_a_group_and_raised")
     assert [item["process"] for item in settings] == ["this one", "fresh"]
     assert "GROUP AFTER THE NEXT SETTING False" in lines
+
+
+def test_a_setting_that_changed_a_torch_flag_sends_the_next_one_elsewhere(tmp_path):
+    """No proof of memory sees TF32 turned on: the setting after it would be timed under it in this process."""
+    lines, settings = _run_part(tmp_path, "after_a_setting_that_changed_a_torch_flag")
+    assert [item["process"] for item in settings] == ["this one", "this one", "fresh"]
+    assert settings[2]["detail"].startswith("turns_on_tf32 changed torch's process-wide settings (")
+    assert "float32 matmul precision: highest -> high" in settings[2]["detail"]
 
 
 @pytest.mark.parametrize("start_method", ["spawn", "fork"])
