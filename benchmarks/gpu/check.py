@@ -192,10 +192,17 @@ def run_part(part: Part, out_dir: Path, limit_s: float, dry_run: bool) -> dict[s
     record["returncode"] = returncode
     output = _tail(log_path)
     record["output_tail"] = output
+    unreadable = ""
     if json_path.exists():
-        record["result"] = json.loads(json_path.read_text())
+        try:
+            record["result"] = json.loads(json_path.read_text())
+        except json.JSONDecodeError as error:  # stopped while writing it: the report and the next parts go on
+            unreadable = f"its results ({json_path.name}) are not JSON: {error}"
     if returncode is None:
-        return record | {"status": "timed out", "reason": f"killed at its limit of {limit_s:.0f} s"}
+        reason = f"killed at its limit of {limit_s:.0f} s" + (f"; {unreadable}" if unreadable else "")
+        return record | {"status": "timed out", "reason": reason}
+    if unreadable:
+        return record | {"status": "failed", "reason": unreadable}
     if returncode == 0:
         return record | {"status": "passed", "reason": ""}
     package = missing_optional_package(output) if "result" not in record else None

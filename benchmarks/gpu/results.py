@@ -102,9 +102,11 @@ def write(
     them, how each setting :func:`run_isolated` ran went (``"settings"``: where, why, seconds)."""
     result = {"summary": summary, "tables": list(tables), "checks": list(checks), "config": config or {},
               "settings": list(_ran)}
-    if path is not None:
+    if path is not None:  # whole or not at all: a part killed at its limit while writing leaves no half file
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(_finite(result), indent=1, allow_nan=False) + "\n")
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(json.dumps(_finite(result), indent=1, allow_nan=False) + "\n")
+        partial.replace(path)
     return all(item["passed"] for item in checks)
 
 

@@ -276,6 +276,30 @@ def test_a_hung_part_is_killed_with_its_children_and_the_others_still_run(check_
     assert json.loads((out / "report.json").read_text()) == json.loads(json.dumps(report))
 
 
+def test_a_part_stopped_while_writing_its_results_is_reported_and_the_next_runs(check_module, tmp_path):
+    """Killed at its limit in the middle of its JSON, a part used to stop the whole check (the runner read the half
+    file and raised): every later part lost, on a lent GPU."""
+    Part = check_module.Part
+    parts = (
+        Part("cut short", str(_part_script(tmp_path, "cut_short", """
+            open(JSON, "w").write('{"summary": "half wri')
+            time.sleep(120)
+            """)), limit_s=3),
+        Part("writes nonsense", str(_part_script(tmp_path, "nonsense", "open(JSON, 'w').write('{')\n")), limit_s=30),
+        Part("passes", str(_part_script(tmp_path, "passes", """
+            open(JSON, "w").write(json.dumps({"summary": "ok", "tables": [], "checks": [], "config": {}}))
+            """)), limit_s=30),
+    )
+    report = check_module.run_check(
+        parts, tmp_path / "out", budget_s=300, dry_run=True, environment={"torch": "x", "packages": {}}, command="check"
+    )
+    status = {part["name"]: (part["status"], part["reason"]) for part in report["parts"]}
+    assert status["cut short"][0] == "timed out"
+    assert status["cut short"][1].startswith("killed at its limit of 3 s; its results (cut_short.json) are not JSON: ")
+    assert status["writes nonsense"][0] == "failed" and "(writes_nonsense.json) are not JSON" in status["writes nonsense"][1]
+    assert status["passes"] == ("passed", "")
+
+
 def test_parts_left_without_time_are_not_started(check_module, tmp_path):
     never = check_module.Part("late", str(_part_script(tmp_path, "late", "open(JSON, 'w').write('{}')\n")), limit_s=60)
     report = check_module.run_check(
