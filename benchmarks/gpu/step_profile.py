@@ -36,9 +36,9 @@ fresh one), so none measures what another left alive:
   Python 3.12). Without trl or datasets the row says so and the rest is reported.
 
 Checked: ours ran and logged an MFU on a GPU whose peak is known; the measured peak is within ``--tolerance``
-(5%) of the plan's. With ``--compile``: no graph was compiled in the timed steps (counted, dry run too), so the
-tokens/s time the compiled layers, not the compiler (a recompilation the warm-up steps did not take, for a shape or
-a number the CPU's attention never passes, would otherwise land in them unseen).
+(5%) of the plan's. With ``--compile``: the timed steps run under ``torch.compiler.set_stance("fail_on_recompile")``,
+so the tokens/s time the compiled layers, not the compiler (a recompilation the warm-up steps did not take, for a
+shape or a number the CPU's attention never passes, would otherwise land in them unseen: it raises instead).
 
 Run from the repository root (about 90 s on one H200; TRL needs its wheels, see docs/benchmarks.md)::
 
@@ -246,32 +246,26 @@ def fit_ours(settings: dict[str, Any]) -> dict[str, Any]:
         if cuda:
             torch.cuda.synchronize()
 
-    def graphs_compiled() -> int:
-        """Graphs ``torch.compile`` captured in this process so far, recompilations included (torch keeps no public
-        count): a timed step that compiles times the compiler, not the step."""
-        from torch._dynamo.utils import counters
-
-        return counters["stats"]["unique_graphs"]
-
     class Measure(Callback):
         """Times steps ``warmup`` to ``warmup + steps`` together, then profiles the one after."""
 
         def __init__(self) -> None:
             self.profiler: profile | None = None
             self.started_at = self.seconds = self.profiled_us = 0.0
-            self.graphs_at_start = self.compiled_in_timed_steps = 0
 
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             if batch_idx == 1 and cuda:
                 torch.cuda.reset_peak_memory_stats()  # from the second step on: the steady state plan predicts
             if batch_idx == warmup:
                 synchronize()
-                self.graphs_at_start = graphs_compiled()
+                # A timed step that compiled would time the compiler: the warm-up must take every compilation
+                # (the first shapes, then the recompilation for a new document count), and one left raises here.
+                torch.compiler.set_stance("fail_on_recompile")
                 self.started_at = time.perf_counter()
             if batch_idx == warmup + steps:
                 synchronize()
                 self.seconds = time.perf_counter() - self.started_at
-                self.compiled_in_timed_steps = graphs_compiled() - self.graphs_at_start
+                torch.compiler.set_stance("default")
                 activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
                 self.profiler = profile(activities=activities)
                 self.profiler.start()
@@ -292,7 +286,10 @@ def fit_ours(settings: dict[str, Any]) -> dict[str, Any]:
         enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
         log_every_n_steps=warmup + steps, callbacks=[measure, StepProgressBar()] + compiled, **config["trainer"],
     )  # fmt: skip
-    trainer.fit(module, DataLoader(batches, batch_size=None))
+    try:
+        trainer.fit(module, DataLoader(batches, batch_size=None))
+    finally:
+        torch.compiler.set_stance("default")  # where a compilation in the timed steps raised
     if measure.profiler is None:
         raise RuntimeError(f"the fit ended after {trainer.global_step} steps, before the profiled step {warmup + steps}")
     device = trainer.strategy.root_device
@@ -313,7 +310,6 @@ def fit_ours(settings: dict[str, Any]) -> dict[str, Any]:
         "shares": step_shares(list(measure.profiler.events()), measure.profiled_us, cuda),
         "kernels": heaviest_kernels(list(measure.profiler.events()), measure.profiled_us, cuda),
         "tokens_per_step": tokens / steps,
-        "compiled_in_timed_steps": measure.compiled_in_timed_steps,
     }
 
 
@@ -403,21 +399,17 @@ def compiled_only(args: argparse.Namespace, settings: dict[str, Any]) -> None:
               f"{settings['precision']}, no checkpointing, chunked loss, fused AdamW, every decoder layer compiled "
               f"(CompiledLayers); {args.steps} timed steps after {args.warmup_steps} warm-up",
               ["run", "attention", "tokens/step", "s/step", "tokens/s", "MFU", "MFU (6N only)",
-               "MFU logged by the module", "peak GiB", "graphs compiled in the timed steps"],
+               "MFU logged by the module", "peak GiB"],
               [["lit-memtrain fit, compiled layers", ours["attention"], ours["tokens_per_step"], ours["step_s"],
-                ours["tokens_per_s"], ours["mfu"], ours["mfu_6n"], ours["logged_mfu"], ours["peak_gib"],
-                ours["compiled_in_timed_steps"]]]),
+                ours["tokens_per_s"], ours["mfu"], ours["mfu_6n"], ours["logged_mfu"], ours["peak_gib"]]]),
         table(f"One profiled step of ours, compiled ({ours['profiled_step_s']:.3f} s): share of its wall time",
               ["where", "share"], [[name, shares[name]] for name in SHARES]),
         table("Its heaviest kernels", KERNEL_COLUMNS, ours["kernels"]),
     ]  # fmt: skip
-    checks = [
-        check("no graph was compiled in the timed steps (the warm-up took every compilation)",
-              ours["compiled_in_timed_steps"] == 0, f"{ours['compiled_in_timed_steps']} compiled there"),
-    ] + ([] if args.dry_run else [
+    checks = [] if args.dry_run else [
         check("ours, compiled, logged an MFU (train/device/mfu) on this GPU", not math.isnan(ours["logged_mfu"]),
               f"logged {ours['logged_mfu']:.3f}, measured here {ours['mfu']:.3f}"),
-    ])  # fmt: skip
+    ]  # fmt: skip
     summary = (f"compiled layers: {ours['tokens_per_s']:,.0f} tokens/s, MFU {ours['mfu']:.1%}, "
                f"peak {ours['peak_gib']:.2f} GiB")
     passed = write(args.json, summary=summary, tables=tables, checks=checks, config=settings)
