@@ -42,8 +42,12 @@ from typing import Any
 
 from results import add_arguments, check, run_isolated, table, write
 
-# Read once, when CUDA starts: before the first probe (and the libraries' floor run_isolated makes before it).
-os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+from lit_memtrain.techniques.allocator import ALLOC_CONF_VARIABLES, EXPANDABLE_SEGMENTS
+
+# Read once, when CUDA starts: before the first probe (and the libraries' floor run_isolated makes before it). Both
+# names, whatever the machine set: torch 2.10 and later read PYTORCH_ALLOC_CONF first, so setting only the old name
+# would leave a value set there in force.
+os.environ.update(dict.fromkeys(ALLOC_CONF_VARIABLES, EXPANDABLE_SEGMENTS))
 
 GIB = 2**30
 ROWS = ("plain", "+ checkpointing", "+ chunked loss", "+ tiled MLP", "+ offloaded checkpoints")
