@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import tempfile
 import time
@@ -59,6 +60,11 @@ from pathlib import Path
 from typing import Any
 
 from results import add_arguments, check, run_isolated, table, write
+
+from lit_memtrain.techniques.allocator import ALLOC_CONF_VARIABLES, EXPANDABLE_SEGMENTS
+
+# As `lit-memtrain fit` runs (its AllocatorSettings callback), for ours and TRL's fits alike: read when CUDA starts.
+os.environ.update(dict.fromkeys(ALLOC_CONF_VARIABLES, EXPANDABLE_SEGMENTS))
 
 GIB = 2**30
 SHARES = ("attention", "matmul", "chunked loss", "optimizer", "other kernels", "GPU idle (host gaps)")
