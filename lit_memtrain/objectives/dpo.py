@@ -36,6 +36,7 @@ from torchmetrics import MeanMetric
 
 from lit_memtrain.datamodules.batch import IGNORE_INDEX, scored_rows, shift_targets
 from lit_memtrain.datamodules.preference_collate import REFERENCE_COLUMNS
+from lit_memtrain.models.dropout import disable_dropout as disable_dropout_in_model
 from lit_memtrain.objectives.causal_lm import CausalLMModule
 from lit_memtrain.objectives.preference_loss import LOSS_TYPES, PreferenceLossType, preference_loss
 from lit_memtrain.objectives.step_tokens import step_window
@@ -58,6 +59,9 @@ class DPOModule(CausalLMModule):
         reference: where the reference log-probabilities come from: ``precomputed`` (one pass before
             training), ``adapter_disabled`` (with ``lora``: the base model, each step), ``auto`` (the latter with
             ``lora``, else the former).
+        disable_dropout: TRL's (``DPOConfig``, default True): set every dropout probability of the model to 0 once it
+            is built, a LoRA adapter's own (``lora.dropout``) included, so that the policy and the reference score a
+            pair alike (at the first step, rewards 0); False keeps the model's dropout in training.
         **kwargs: every argument of :class:`~lit_memtrain.objectives.causal_lm.CausalLMModule` (model, preset, lora,
             dtype, attn_implementation, loss_type, loss_chunk_size, learning_rate, ...); ``loss_type="chunked"`` takes
             the log-probabilities from hidden states in chunks of ``loss_chunk_size`` rows, ``"nll"`` from the
@@ -81,6 +85,7 @@ class DPOModule(CausalLMModule):
         beta: float = 0.1,
         preference_loss: PreferenceLossType = "sigmoid",
         reference: ReferenceMode = "auto",
+        disable_dropout: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -100,6 +105,11 @@ class DPOModule(CausalLMModule):
         self.val_metrics = torch.nn.ModuleDict({name: MeanMetric() for name in ("loss", *_PAIR_METRICS)})
         self._first_margin: Tensor | None = None
         self._last_margin: Tensor | None = None
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        if self.hparams.disable_dropout:  # after LoRA wraps the model, as TRL: the adapter's dropout goes too
+            disable_dropout_in_model(self.model)
 
     # ----------------------------------------------------------------------------------- log-probs
 

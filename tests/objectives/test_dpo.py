@@ -242,3 +242,32 @@ def test_adapter_disabled_refuses_a_batch_that_carries_precomputed_reference_col
     precomputed = _module(saved_model, lora=LoraSettings(r=4, alpha=8), reference="precomputed")
     chosen, rejected = precomputed.batch_reference_logps(batch)
     assert chosen.tolist() == reference["ref_chosen_logps"] and rejected.tolist() == reference["ref_rejected_logps"]
+
+
+
+@pytest.mark.parametrize("disable_dropout", [True, False])
+def test_dropout_is_disabled_by_default_as_trls_dpo_config_the_lora_adapters_too(saved_model, disable_dropout):
+    """TRL's DPOConfig has disable_dropout=True: every nn.Dropout of the policy, a LoRA adapter's included, is set
+    to 0 once the adapter wraps the model, so the training forward scores a pair as the model in eval mode does.
+    DPOModule used to keep a LoRA adapter's dropout: each step's log-ratios carried dropout noise (a trained adapter
+    scored differently in every forward). disable_dropout=False keeps it."""
+    datamodule = PreferenceDataModule(dataset=_conversational(), batch_size=4, max_length=512)
+    datamodule.setup("fit")
+    batch = datamodule.collator()([datamodule.datasets["train"][i] for i in range(len(PAIRS))])
+    module = _module(saved_model, lora=LoraSettings(r=4, alpha=8, dropout=0.3), disable_dropout=disable_dropout)
+    with torch.no_grad():  # a trained adapter: its dropout shows in the policy's log-probabilities
+        for name, param in module.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.2)
+    dropouts = {m.p for m in module.model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0}
+    assert dropouts == (set() if disable_dropout else {0.3})
+    torch.manual_seed(0)
+    module.train()
+    with torch.no_grad():
+        trained = module.pair_loss(batch)[1]["logps/chosen"]
+        module.eval()
+        evaluated = module.pair_loss(batch)[1]["logps/chosen"]
+    if disable_dropout:
+        assert_equal_up_to_rounding(trained, evaluated, name="log-probs", terms=TINY_MODEL_TERMS, scale=abs(evaluated))
+    else:
+        assert abs(float(trained - evaluated)) > 1e-2
