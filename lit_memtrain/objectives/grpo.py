@@ -453,6 +453,7 @@ class GRPOModule(OnlineRLModule):
             max_completion_length=self.sampling.max_completion_length, dapo_normalizer=normalizer,
             importance_weights=part.sampling_ratio, options=self.loss_options, entropy_mask=entropy_mask, entropies=entropy,
             entropy_coef=self.entropy_bonus.coefficient(),
+            sampling_logps=None if part.sampling_logps is None else part.sampling_logps.to(logps.device),
         )  # fmt: skip
         bonus_mask = mask if entropy_mask is None else mask * entropy_mask
         self.entropy_bonus.observe((entropy.detach() * bonus_mask).sum(), bonus_mask.sum())

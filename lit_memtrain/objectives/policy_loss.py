@@ -18,7 +18,8 @@ vespo     ``l = -sg(phi(w)) A logp``, ``phi(w) = exp(lambda + k log w - lambda w
 ========= ======================================================================================================
 
 then ``l`` is multiplied by the off-policy sequence mask (``off_policy_mask_threshold``: a completion with ``A < 0``
-whose mean ``logp_old - logp`` exceeds the threshold is dropped) and the high-entropy token mask
+whose mean ``logp_sampling - logp`` exceeds the threshold is dropped; ``logp_sampling`` the engine's, vLLM's, where
+it reported them, else ``logp_old``) and the high-entropy token mask
 (``top_entropy_quantile``), and ``beta * KL`` is added, ``KL`` the k3 estimate ``exp(ref - logp) - (ref - logp) - 1``,
 times ``rho`` with ``bias_correction_kl``. How the token losses of a micro-batch become its loss:
 
@@ -178,6 +179,7 @@ def clipped_policy_loss(
     entropies: Tensor | None = None,
     entropy_coef: float | None = None,
     importance_weights: Tensor | None = None,
+    sampling_logps: Tensor | None = None,
 ) -> PolicyLoss:
     """GRPO's policy loss of one micro-batch: TRL's ``_compute_loss`` (see the module docstring for each variant).
 
@@ -207,6 +209,9 @@ def clipped_policy_loss(
         importance_weights: ``[B, T]`` or ``[B, 1]`` weights of the policy term (TRL's vLLM importance-sampling
             ratio, :mod:`~lit_memtrain.objectives.sampling_correction`), applied before the KL term is added; for
             ``vespo``, part of its weights ``phi`` instead, as TRL.
+        sampling_logps: ``[B, T]`` the log-probabilities the generation engine sampled with (vLLM's; NaN where it
+            gave none), when it reported them: the off-policy mask measures the drift from those (the engine's
+            mismatch with the trainer and the updates since), as TRL's; else from ``old_logps``.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}.")
@@ -254,7 +259,8 @@ def clipped_policy_loss(
         per_token = -phi * column * logps
         means["vespo/phi_seq_mean"] = phi.squeeze(1)  # one per completion, as TRL counts it
     if options.off_policy_mask_threshold is not None:
-        per_token = per_token * off_policy_mask(column, logps, old_logps, mask, options.off_policy_mask_threshold)
+        drifted_from = old_logps if sampling_logps is None else sampling_logps
+        per_token = per_token * off_policy_mask(column, logps, drifted_from, mask, options.off_policy_mask_threshold)
     if entropy_mask is not None:
         per_token = per_token * entropy_mask
     if importance_weights is not None and loss_type != "vespo":  # vLLM's ratio (vespo's is in phi), before the KL

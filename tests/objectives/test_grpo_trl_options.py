@@ -203,3 +203,42 @@ def test_a_mixture_of_experts_trains_with_the_router_loss_as_trl_adds_it(saved_m
     ours = {n: p.grad for n, p in module.model.named_parameters() if p.grad is not None}
     assert_each_equal_up_to_rounding(ours, {n: p.grad for n, p in trl_model.named_parameters()},
                                      terms=TINY_MODEL_TERMS)  # fmt: skip
+
+
+@pytest.mark.parametrize("correction", [True, False], ids=["with-correction", "without-correction"])
+def test_the_off_policy_mask_compares_with_the_engines_log_probabilities_as_trls(saved_models, tokenizer, tmp_path,
+                                                                                 correction):  # fmt: skip
+    """With an engine that reports its sampling log-probabilities (vLLM), TRL's off-policy mask
+    (``off_policy_mask_threshold``) measures each completion's drift against those (the training-inference mismatch
+    and the updates since), whether or not the importance-sampling correction is on. The mask used to compare with
+    the trainer's own log-probabilities from generation time (on-policy: the current ones), so with a vLLM engine
+    it dropped nothing TRL drops: loss and gradients differed."""
+    options = {"off_policy_mask_threshold": 0.05, "vllm_importance_sampling_correction": correction,
+               "vllm_importance_sampling_mode": "token_truncate"}
+    batch = _batch()
+    module = _module(saved_models["dense"], EngineCompletions(SamplingSettings(LENGTH, temperature=0.7), [EOS], 0,
+                                                    logprobs=[]), **options)  # fmt: skip
+    logprobs = _engine_logprobs(module, batch["prompt_ids"], seed=4)
+    module.generation_backend.logprobs = logprobs
+
+    trl, trl_model = _trl(GRPOModule, saved_models["dense"], tokenizer, tmp_path, logprobs, **options)
+    trl.use_vllm = True  # all the mask and the correction read of it: generation is the test's
+    expected = trl._generate_and_score_completions([{"prompt": p} for p in _prompts()["prompt"] for _ in range(G)])
+    trl_loss = trl._compute_loss(trl_model, expected)
+    trl_loss.backward()
+
+    rollout, rewards, _ = module.generate_rollout(batch, "a test batch")
+    rollout, _ = module.prepare_rollout(rollout, rewards)
+    from trl import GRPOTrainer
+
+    with torch.no_grad():  # the engine's drift drops some completions, not all: the mask binds
+        logps = module.completion_logps(rollout)
+    kept = GRPOTrainer.get_off_policy_mask(rollout.advantages.unsqueeze(1), logps, rollout.sampling_logps,
+                                           rollout.completion_mask(), 0.05)  # fmt: skip
+    assert 0 < kept.sum() < len(kept)
+    out = module.slice_loss(rollout, module.loss_normalizer(rollout))
+    out.loss.backward()
+    assert_equal_up_to_rounding(out.loss, trl_loss, name="loss", terms=TINY_MODEL_TERMS, scale=3.0)
+    ours = {n: p.grad for n, p in module.model.named_parameters() if p.grad is not None}
+    assert_each_equal_up_to_rounding(ours, {n: p.grad for n, p in trl_model.named_parameters()},
+                                     terms=TINY_MODEL_TERMS)  # fmt: skip
