@@ -119,6 +119,16 @@ def _engine_logprobs(module: GRPOModule, prompt_ids: list[list[int]], seed: int)
     return [(logps[i, : len(c)] + noise[i, : len(c)]).tolist() for i, c in enumerate(COMPLETIONS)]
 
 
+def _assert_trls_loss_and_gradients(module: GRPOModule, rollout: Rollout, trl_loss, trl_model) -> None:
+    """The slice's loss (a sum of advantage x ratio up to 3, of either sign) and its gradients are TRL's."""
+    out = module.slice_loss(rollout, module.loss_normalizer(rollout))
+    out.loss.backward()
+    assert_equal_up_to_rounding(out.loss, trl_loss, name="loss", terms=TINY_MODEL_TERMS, scale=3.0)
+    ours = {n: p.grad for n, p in module.model.named_parameters() if p.grad is not None}
+    assert_each_equal_up_to_rounding(ours, {n: p.grad for n, p in trl_model.named_parameters()},
+                                     terms=TINY_MODEL_TERMS)  # fmt: skip
+
+
 @pytest.mark.parametrize(("mode", "clip_min", "loss"), [
     ("sequence_mask", None, "dapo"), ("sequence_truncate", 0.5, "dapo"), ("token_mask", 0.7, "dapo"),
     ("token_truncate", 0.7, "dapo"),
@@ -152,12 +162,7 @@ def test_ratios_metrics_loss_and_gradients_equal_trls(saved_models, tokenizer, t
     for name in METRICS:
         assert_equal_up_to_rounding(float(metrics[name]), trl._metrics["train"][name][-1], name=name,
                                     terms=TINY_MODEL_TERMS, scale=3.0)  # fmt: skip
-    out = module.slice_loss(rollout, module.loss_normalizer(rollout))
-    out.loss.backward()
-    assert_equal_up_to_rounding(out.loss, trl_loss, name="loss", terms=TINY_MODEL_TERMS, scale=3.0)
-    ours = {n: p.grad for n, p in module.model.named_parameters() if p.grad is not None}
-    assert_each_equal_up_to_rounding(ours, {n: p.grad for n, p in trl_model.named_parameters()},
-                                     terms=TINY_MODEL_TERMS)  # fmt: skip
+    _assert_trls_loss_and_gradients(module, rollout, trl_loss, trl_model)
 
 
 def test_the_correction_is_on_by_default_with_an_engine_that_reports_log_probabilities(saved_models):
@@ -236,9 +241,4 @@ def test_the_off_policy_mask_compares_with_the_engines_log_probabilities_as_trls
     kept = GRPOTrainer.get_off_policy_mask(rollout.advantages.unsqueeze(1), logps, rollout.sampling_logps,
                                            rollout.completion_mask(), 0.05)  # fmt: skip
     assert 0 < kept.sum() < len(kept)
-    out = module.slice_loss(rollout, module.loss_normalizer(rollout))
-    out.loss.backward()
-    assert_equal_up_to_rounding(out.loss, trl_loss, name="loss", terms=TINY_MODEL_TERMS, scale=3.0)
-    ours = {n: p.grad for n, p in module.model.named_parameters() if p.grad is not None}
-    assert_each_equal_up_to_rounding(ours, {n: p.grad for n, p in trl_model.named_parameters()},
-                                     terms=TINY_MODEL_TERMS)  # fmt: skip
+    _assert_trls_loss_and_gradients(module, rollout, trl_loss, trl_model)
