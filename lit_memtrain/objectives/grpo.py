@@ -21,7 +21,8 @@ One training step (one batch of ``P`` prompts on each rank) is TRL's generation 
    (:func:`~lit_memtrain.techniques.logprobs.chunked_token_log_probs`, at the sampling ``temperature``), never the
    ``[tokens, vocab]`` logits, and enter TRL's clipped loss (:mod:`~lit_memtrain.objectives.policy_loss`).
 
-``trainer.global_step`` counts optimizer steps (``max_steps`` too, checked between batches). A batch counts
+``trainer.global_step`` counts optimizer steps (``max_steps`` too: a batch whose step reaches it trains no further
+slice, as the Hugging Face Trainer stops after that optimizer step). A batch counts
 prompts: each rank draws ``G`` completions of each of its prompts, so a group never spans ranks.
 """
 
@@ -489,7 +490,7 @@ class GRPOModule(OnlineRLModule):
             stats.entropy_tokens.append(part.completion_mask().sum().to(out.entropy.device))
 
     def _loss_metrics(self, stats: _StepStats) -> dict[str, Tensor]:
-        passes = self.steps_per_generation * self.hparams.num_iterations
+        passes = len(stats.losses)  # the micro-batches trained: fewer than the batch's when max_steps stopped it
         world = self.trainer.world_size
         loss = self._sum_over_ranks(torch.stack(stats.losses).sum()) * self.hparams.gradient_accumulation_steps
         counted = self._sum_over_ranks(torch.stack(stats.counted).sum()).clamp(min=1)
@@ -534,14 +535,15 @@ class GRPOModule(OnlineRLModule):
         slices = rollout.split(self.steps_per_generation, order)
         normalizer = self.loss_normalizer(rollout)
         optimizer, stats = self.optimizers(), _StepStats()
-        for _ in range(self.hparams.num_iterations):
-            for part in slices:
-                out = self.slice_loss(part, normalizer)
-                self.manual_backward(out.loss)
-                self._record(stats, out, part)
-                self._micro_steps += 1
-                if self._micro_steps % self.hparams.gradient_accumulation_steps == 0:
-                    self._optimizer_step(optimizer)
+        for part in [part for _ in range(self.hparams.num_iterations) for part in slices]:
+            out = self.slice_loss(part, normalizer)
+            self.manual_backward(out.loss)
+            self._record(stats, out, part)
+            self._micro_steps += 1
+            if self._micro_steps % self.hparams.gradient_accumulation_steps == 0:
+                self._optimizer_step(optimizer)
+                if 0 < self.trainer.max_steps <= self.trainer.global_step:
+                    break  # as the Hugging Face Trainer stops: the batch's other slices are not trained
         self._close_window_at_epoch_end(optimizer, batch_idx)
         metrics.update(self._loss_metrics(stats))
         prompts = len(batch["prompt_ids"])

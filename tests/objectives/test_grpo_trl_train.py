@@ -124,11 +124,20 @@ RUNS = {
     # reference (at the first, both are the initial model). RLOO's ratio is one per completion, of its summed
     # log-probabilities: steps of 0.1 move the weights so far that four steps' roundings add up past one step's.
     "rloo-kl": (RLOOModule, 4, {"beta": 0.5, "learning_rate": 0.01}),
+    # An optimizer step per slice, two slices per generation batch, max_steps=3: TRL stops after the first slice of
+    # the second generation batch (a module that finished the batch took a fourth step).
+    "grpo-bnpo-step-per-slice-odd-max-steps": (GRPOModule, 3, {"policy_loss": "bnpo", "beta": 0.1,
+                                                               "gradient_accumulation_steps": 1, "num_iterations": 1,
+                                                               "steps_per_generation": 2}),
 }
 
 
 @pytest.mark.parametrize("run", list(RUNS))
-def test_whole_optimizer_steps_give_trls_weights(saved_model, tokenizer, tmp_path, prompt_index, run):
+def test_whole_optimizer_steps_give_trls_weights(saved_model, tokenizer, tmp_path, prompt_index, monkeypatch, run):
+    """Shuffles (TRL's and ours, of prompts and of a generation batch's completions) keep the order: a step per slice
+    then trains on the same completions on both sides."""
+    arange = torch.arange
+    monkeypatch.setattr(torch, "randperm", lambda n, *args, **kwargs: arange(n))
     cls, steps, options = RUNS[run]
     options = {**COMMON, **options}
     trl_options = {("loss_type" if name == "policy_loss" else name): value for name, value in options.items()}
