@@ -225,9 +225,10 @@ def _tokens_reward(completions, completion_ids, **kwargs):
     [(GRPOModule, {"scale_rewards": "group", "beta": 0.1}), (GRPOModule, {"scale_rewards": "batch"}),
      (GRPOModule, {"scale_rewards": "none", "mask_truncated_completions": True}),
      (GRPOModule, {"multi_objective_aggregation": "normalize_then_sum"}),
-     (RLOOModule, {"beta": 0.05}), (RLOOModule, {"beta": 0.0, "normalize_advantages": True})],
+     (RLOOModule, {"beta": 0.05}), (RLOOModule, {"beta": 0.0, "normalize_advantages": True}),
+     (RLOOModule, {"beta": 0.05, "reward_clip_range": (1.0, 3.0)})],
     ids=["grpo-group-beta", "grpo-batch", "grpo-none-masked", "grpo-normalize-then-sum", "rloo-beta",
-         "rloo-normalized"],
+         "rloo-normalized", "rloo-clipped"],
 )
 def test_one_generation_batch_equals_trl_generate_and_score(saved_model, tokenizer, tmp_path, cls, options):
     from transformers import AutoModelForCausalLM
