@@ -43,6 +43,7 @@ VARIANTS = {
     "luspo": ("luspo", 0.0, {"importance_sampling_level": "sequence", "epsilon": 3e-4, "epsilon_high": 4e-4}),
     "vespo": ("vespo", 0.1, {"vespo_k_pos": 1.5, "vespo_lambda_pos": 2.5}),
     "delta": ("dapo", 0.0, {"delta": 1.1}),
+    "kl-without-bias-correction": ("dapo", 0.1, {"use_bias_correction_kl": False}),
     "off-policy-mask": ("dapo", 0.0, {"off_policy_mask_threshold": 0.02}),
     "top-entropy": ("grpo", 0.0, {"top_entropy_quantile": 0.2}),
     "entropy-bonus": ("dapo", 0.1, {"entropy_coef": 0.05}),
