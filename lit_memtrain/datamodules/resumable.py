@@ -66,6 +66,10 @@ class ResumableDataLoader(DataLoader):
     """
 
     def __init__(self, *args: Any, consumed_batches: Callable[[], int] | None = None, **kwargs: Any) -> None:
+        # Each iteration draws its workers' base seed from this generator, not from torch's global one: a resumed fit
+        # restores the global generator's state and starts a new iteration, which must not draw from it
+        # (lit_memtrain.objectives.rng_state).
+        kwargs.setdefault("generator", torch.Generator().manual_seed(0))
         super().__init__(*args, **kwargs)
         from lit_memtrain.datamodules.streaming import PackedStream  # pyarrow: imported when a loader is made
 
