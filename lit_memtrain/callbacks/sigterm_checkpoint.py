@@ -53,9 +53,13 @@ class SigtermCheckpoint(Callback):
 
         Lightning checks its flag right after this hook (and, with several ranks, rank 0's flag before each batch).
         A batch closes a step when ``global_step`` moved during it (automatic and manual optimisation alike), or when
-        it is the epoch's last (Lightning steps on an epoch's short last window).
+        it is the epoch's last (Lightning steps on an epoch's short last window), unless the module reports an
+        accumulation window still open (``accumulation_window_open``).
         """
         stepped = trainer.global_step != self._step_at_batch_start or trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        # A module that accumulates across batches itself (manual optimisation) may step and open the next window in
+        # one batch: it says so (OnlineRLModule.accumulation_window_open).
+        stepped = stepped and not getattr(pl_module, "accumulation_window_open", False)
         self._mid_step = not stepped
         signals = getattr(trainer, "_signal_connector", None)  # Lightning's own flag has no public setter
         if signals is None:
