@@ -12,7 +12,8 @@ call returns (Python runs signal handlers between bytecodes), so a long step del
 accumulation Lightning would stop after the *micro-batch* running, in the middle of an optimizer step: the gradients
 accumulated so far are in no checkpoint, so the resumed run would take that step on the rest of its micro-batches only
 and silently train differently from an uninterrupted run. This callback holds the stop back until the optimizer step
-ends (up to ``accumulate_grad_batches - 1`` micro-batches later, or the epoch's end), then saves.
+ends (up to ``accumulate_grad_batches - 1`` micro-batches later, or the epoch's end; for a module that accumulates
+across batches itself, until its window is closed), then saves.
 
 Usage::
 
@@ -56,7 +57,8 @@ class SigtermCheckpoint(Callback):
         it is the epoch's last (Lightning steps on an epoch's short last window), unless the module reports an
         accumulation window still open (``accumulation_window_open``).
         """
-        stepped = trainer.global_step != self._step_at_batch_start or trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        last_batch = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        stepped = trainer.global_step != self._step_at_batch_start or last_batch
         # A module that accumulates across batches itself (manual optimisation) may step and open the next window in
         # one batch: it says so (OnlineRLModule.accumulation_window_open).
         stepped = stepped and not getattr(pl_module, "accumulation_window_open", False)
@@ -77,8 +79,8 @@ class SigtermCheckpoint(Callback):
         if self._mid_step:  # the signal slipped in after on_train_batch_end: the open step's gradients are lost
             rank_zero_warn(
                 f"SIGTERM stopped the fit in the middle of optimizer step {trainer.global_step + 1} (gradient "
-                "accumulation): its micro-batches so far are not in the checkpoint, so a resumed run takes that step on "
-                "the rest of them only and is not exactly the uninterrupted run."
+                "accumulation): its micro-batches so far are not in the checkpoint, so a resumed run takes that step "
+                "on the rest of them only and is not exactly the uninterrupted run."
             )
         callbacks = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint) and c.dirpath]
         folders = sorted({str(callback.dirpath) for callback in callbacks})

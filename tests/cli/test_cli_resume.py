@@ -332,11 +332,12 @@ def grpo_fit(folder: Path, max_steps: int) -> dict:
     ``folder``, resuming ``last``, at a constant learning rate; its last checkpoint's weights."""
     main([
         "fit", "--config", str(ROOT / "configs" / "grpo.yaml"), "--ckpt_path", "last",
-        "--trainer.enable_checkpointing=true", EVERY_STEP, "--trainer.logger=false", f"--trainer.default_root_dir={folder}",
-        "--trainer.enable_progress_bar=false", f"--trainer.max_steps={max_steps}",
-        "--model.init_args.config_overrides={hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, head_dim: 16}",
-        "--model.init_args.export_dir=null", "--model.init_args.num_generations=2", "--model.init_args.min_lr_ratio=1.0",
-        "--data.init_args.batch_size=2",
+        "--trainer.enable_checkpointing=true", EVERY_STEP, "--trainer.logger=false",
+        f"--trainer.default_root_dir={folder}", "--trainer.enable_progress_bar=false",
+        f"--trainer.max_steps={max_steps}",
+        "--model.init_args.config_overrides={hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, "
+        "head_dim: 16}", "--model.init_args.export_dir=null", "--model.init_args.num_generations=2",
+        "--model.init_args.min_lr_ratio=1.0", "--data.init_args.batch_size=2",
     ])  # fmt: skip
     return torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
 

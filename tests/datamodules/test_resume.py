@@ -199,7 +199,8 @@ def test_a_mid_epoch_position_of_another_split_or_batch_size_is_refused_naming_b
     trained = loader(2)
     next(iter(trained))
     state = trained.state_dict()
-    with pytest.raises(ValueError, match=r"by 2 data-parallel rank\(s\) with batch_size=3; this run has 1 with batch_size=3"):
+    refused = r"by 2 data-parallel rank\(s\) with batch_size=3; this run has 1 with batch_size=3"
+    with pytest.raises(ValueError, match=refused):
         loader(1).load_state_dict(state)
     with pytest.raises(ValueError, match=r"this run has 2 with batch_size=2"):
         loader(2, batch_size=2).load_state_dict(state)

@@ -72,7 +72,8 @@ def test_a_checkpoint_saved_with_a_window_open_says_a_resumed_fit_differs(tmp_pa
 def test_sigterm_inside_an_open_window_stops_once_it_is_closed_and_resumes_into_the_uninterrupted_fit(tmp_path):
     straight = _fit(tmp_path / "straight")
     _fit(tmp_path / "stopped", SigtermAtFirstBatch())  # the first batch ends after step 1 with step 2's window open
-    assert sorted(path.name for path in (tmp_path / "stopped" / "checkpoints").glob("sigterm-*")) == ["sigterm-step=3.ckpt"]
+    saved = sorted(path.name for path in (tmp_path / "stopped" / "checkpoints").glob("sigterm-*"))
+    assert saved == ["sigterm-step=3.ckpt"]
     resumed = _fit(tmp_path / "stopped", ckpt_path=tmp_path / "stopped" / "checkpoints" / "sigterm-step=3.ckpt")
     for (name, expected), (_, got) in zip(straight.named_parameters(), resumed.named_parameters(), strict=True):
         torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=name)

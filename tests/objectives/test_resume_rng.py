@@ -50,7 +50,8 @@ def _fit(root: Path, max_steps: int, ckpt_path: Path | None = None) -> Recording
     prompts = datasets.Dataset.from_list([make_arithmetic_prompt(rng) for _ in range(8)])
     trainer = Trainer(
         max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
-        devices=1, default_root_dir=root, callbacks=[ModelCheckpoint(root / "checkpoints", "{step}", every_n_train_steps=1, save_top_k=-1)],
+        devices=1, default_root_dir=root,
+        callbacks=[ModelCheckpoint(root / "checkpoints", "{step}", every_n_train_steps=1, save_top_k=-1)],
     )  # fmt: skip
     datamodule = PromptDataModule(dataset=prompts, batch_size=2, seed=0, max_prompt_length=None)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
