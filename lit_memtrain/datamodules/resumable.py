@@ -66,6 +66,10 @@ class ResumableDataLoader(DataLoader):
     """
 
     def __init__(self, *args: Any, consumed_batches: Callable[[], int] | None = None, **kwargs: Any) -> None:
+        # Each iteration draws its workers' base seed from this generator, not from torch's global one: a resumed fit
+        # restores the global generator's state and starts a new iteration, which must not draw from it
+        # (lit_memtrain.objectives.rng_state).
+        kwargs.setdefault("generator", torch.Generator().manual_seed(0))
         super().__init__(*args, **kwargs)
         from lit_memtrain.datamodules.streaming import PackedStream  # pyarrow: imported when a loader is made
 
@@ -87,7 +91,9 @@ class ResumableDataLoader(DataLoader):
         if not self._streaming:
             if consumed >= len(self):
                 return {"epoch": self._epoch + 1, "batches": 0}
-            return {"epoch": self._epoch, "batches": consumed}
+            # What the count of batches means: another split or batch size would skip other rows (load_state_dict).
+            return {"epoch": self._epoch, "batches": consumed, "replicas": self.sampler.num_replicas,
+                    "batch_size": self.batch_size}  # fmt: skip
         if consumed not in self._positions:
             raise RuntimeError(
                 f"The stream position after batch {consumed} is not known (kept: {sorted(self._positions)}); "
@@ -113,7 +119,22 @@ class ResumableDataLoader(DataLoader):
         if self._streaming != ("stream" in state):
             kind = "a stream" if "stream" in state else "map-style data"
             raise ValueError(f"The dataloader state was saved for {kind}, which this run does not read.")
+        if not self._streaming and state.get("batches"):
+            self._check_same_split(state)
         self._pending = dict(state)
+
+    def _check_same_split(self, state: dict[str, Any]) -> None:
+        """Refuse a mid-epoch position counted in other units: each rank skips ``batches * batch_size`` of its own
+        share of the epoch's order, so with another number of data-parallel ranks or another batch size it would
+        skip rows no rank trained on and train again on rows the run had trained on, silently."""
+        saved = (state.get("replicas", self.sampler.num_replicas), state.get("batch_size", self.batch_size))
+        if saved != (self.sampler.num_replicas, self.batch_size):
+            raise ValueError(
+                f"The checkpoint was saved in the middle of an epoch by {saved[0]} data-parallel rank(s) with "
+                f"batch_size={saved[1]}; this run has {self.sampler.num_replicas} with batch_size={self.batch_size}, "
+                "which would skip other rows than those trained on. Resume it with the same number of processes and "
+                "batch_size, or from a checkpoint saved at the end of an epoch."
+            )
 
     def __iter__(self) -> Iterator[Any]:
         state, self._pending = self._pending, None

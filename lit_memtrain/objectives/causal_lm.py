@@ -17,7 +17,7 @@ from typing import Any, Literal
 import lightning
 import torch
 from lightning.pytorch import LightningModule
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torchmetrics import MeanMetric
 from torchmetrics.metric import CompositionalMetric
@@ -31,6 +31,7 @@ from lit_memtrain.models.moe import load_balancing_loss, router_aux_coefficient
 from lit_memtrain.objectives.checkpoint_files import save_to_first_writable
 from lit_memtrain.objectives.checkpoint_io import lit_memtrain_class_path, saved_vocabulary
 from lit_memtrain.objectives.optim import optimizer_and_schedule, plain_spec
+from lit_memtrain.objectives.rng_state import every_ranks_rng_states, set_rng_states
 from lit_memtrain.objectives.probes import LogitTransform, SetupProbes
 from lit_memtrain.objectives.step_tokens import count_step_tokens_during_fit, micro_batch_mean
 from lit_memtrain.objectives.step_tokens import resume_scheduled_accumulation, step_trainable_tokens
@@ -167,6 +168,8 @@ class CausalLMModule(LightningModule):
         )
         self._restore_dataloader_processing: Callable[[], None] | None = None
         self._first_loss: Tensor | None = None
+        self._resumed_rng_states: dict[str, Any] | None = None  # this rank's, put back when the resumed fit trains
+        self._saving_on_every_rank = True  # False while one rank alone saves (_keep_trained): no collective then
         self._last_loss: Tensor | None = None
 
 
@@ -379,6 +382,9 @@ class CausalLMModule(LightningModule):
         return loss
 
     def on_train_start(self) -> None:
+        if self._resumed_rng_states is not None:  # after the sanity check, before the first resumed batch
+            set_rng_states(self._resumed_rng_states)
+            self._resumed_rng_states = None
         resume_scheduled_accumulation(self.trainer)
         self.throughput.start(self.device, self.trainer.global_step)
 
@@ -445,7 +451,11 @@ class CausalLMModule(LightningModule):
             "global_step": step, "state_dict": self.state_dict(), "hyper_parameters": dict(self.hparams),
             "pytorch-lightning_version": lightning.__version__,
         }  # fmt: skip
-        self.on_save_checkpoint(checkpoint)
+        self._saving_on_every_rank = False  # rank 0 alone writes this one: gathering the ranks' generators would hang
+        try:
+            self.on_save_checkpoint(checkpoint)
+        finally:
+            self._saving_on_every_rank = True
         folders = [cb.dirpath for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
         folders += [logger.save_dir for logger in trainer.loggers if logger.save_dir]
         folders += [trainer.default_root_dir, tempfile.gettempdir()]
@@ -520,6 +530,8 @@ class CausalLMModule(LightningModule):
                 logger.version if isinstance(logger.version, (str, int)) else None for logger in self.trainer.loggers
             ] if self._trainer else [],
         }
+        if self._saving_on_every_rank:  # every rank's generators: a resumed fit draws what the uninterrupted one would
+            checkpoint["lit_memtrain"]["rng_states"] = every_ranks_rng_states()
         # A distributed checkpoint of a sharded run keeps every tensor: it is loaded key by key, frozen base included.
         if self.adapter_only_checkpoints and not is_sharded(self.model):
             trainable = {f"model.{name}" for name, p in self.model.named_parameters() if p.requires_grad}
@@ -539,3 +551,14 @@ class CausalLMModule(LightningModule):
         self.train_tokens_seen = counters.get("train_tokens_seen", 0)
         self.first_train_loss = counters.get("first_train_loss")
         self.last_train_loss = counters.get("last_train_loss")
+        rng_states = counters.get("rng_states")
+        if rng_states is None or self._trainer is None:  # loaded to export or evaluate: nothing will sample on from it
+            return
+        if len(rng_states) == self.trainer.world_size:
+            self._resumed_rng_states = rng_states[self.global_rank]
+        else:
+            rank_zero_warn(
+                f"The checkpoint holds the random generators of {len(rng_states)} ranks and this run has "
+                f"{self.trainer.world_size}: "
+                "they are not restored, so what the resumed fit samples differs from the uninterrupted run's."
+            )

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
 from lit_memtrain.datamodules.batch import shift_targets
@@ -403,8 +403,28 @@ class OnlineRLModule(CausalLMModule):
     def on_validation_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         """Probes run on the batches the step scores (prompts alone have no documents to probe)."""
 
+    @property
+    def accumulation_window_open(self) -> bool:
+        """Whether micro-batches have been trained since the last optimizer step (their gradients wait for the
+        next). A window crosses training batches when ``gradient_accumulation_steps`` is not a multiple of the
+        micro-batches of one batch (GRPO's ``steps_per_generation * num_iterations``): a batch may then end after an
+        optimizer step with the next window already open. Those gradients are in no checkpoint, so a fit resumed
+        from one saved now would take that step without them; :class:`~lit_memtrain.callbacks.SigtermCheckpoint`
+        reads this to stop only once the window is closed."""
+        return self._micro_steps % self.hparams.gradient_accumulation_steps != 0
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
+        if self.accumulation_window_open:
+            open_steps = self._micro_steps % self.hparams.gradient_accumulation_steps
+            rank_zero_warn(
+                f"A checkpoint is being saved at step {self.trainer.global_step} with {open_steps} micro-batch(es) of "
+                f"the next optimizer step already trained (gradient_accumulation_steps="
+                f"{self.hparams.gradient_accumulation_steps} is not a multiple of the micro-batches of a training "
+                "batch): their gradients are not saved, so a fit resumed from it takes that step without them and "
+                "differs from the uninterrupted fit. Make gradient_accumulation_steps a multiple of the micro-batches "
+                "of a batch, or resume from a checkpoint saved with the window closed."
+            )
         checkpoint["lit_memtrain"]["micro_steps"] = self._micro_steps
         if self.reference_sync is not None:  # no longer the initial weights configure_model copies
             checkpoint["lit_memtrain"]["reference"] = self._reference_model.state_dict()

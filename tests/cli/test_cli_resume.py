@@ -325,3 +325,29 @@ def test_a_fresh_fit_in_a_folder_of_an_earlier_run_resumes_its_own_checkpoints_n
     assert own <= set(checkpoints.glob("*.ckpt"))
     fit(run, "--trainer.max_steps=2")
     assert {f"Resuming from {path} (step 1)" for path in own} & set(info_lines)  # not the earlier run's step 2
+
+
+def grpo_fit(folder: Path, max_steps: int) -> dict:
+    """The GRPO config (sampled completions, seed_everything: 0) made tiny, checkpointing every step into
+    ``folder``, resuming ``last``, at a constant learning rate; its last checkpoint's weights."""
+    main([
+        "fit", "--config", str(ROOT / "configs" / "grpo.yaml"), "--ckpt_path", "last",
+        "--trainer.enable_checkpointing=true", EVERY_STEP, "--trainer.logger=false",
+        f"--trainer.default_root_dir={folder}", "--trainer.enable_progress_bar=false",
+        f"--trainer.max_steps={max_steps}",
+        "--model.init_args.config_overrides={hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, "
+        "head_dim: 16}", "--model.init_args.export_dir=null", "--model.init_args.num_generations=2",
+        "--model.init_args.min_lr_ratio=1.0", "--data.init_args.batch_size=2",
+    ])  # fmt: skip
+    return torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+
+
+def test_a_relaunched_sampling_fit_samples_and_trains_as_the_uninterrupted_one(tmp_path, info_lines):
+    """Lightning keeps no random generator state and the relaunch seeds them as at step 1: the resumed steps sampled
+    the completions of steps 1-2 again (weights 4e-3 away at step 4). The checkpoint keeps them."""
+    straight = grpo_fit(tmp_path / "straight", 4)
+    grpo_fit(tmp_path / "relaunched", 2)
+    resumed = grpo_fit(tmp_path / "relaunched", 4)
+    assert f"Resuming from {tmp_path / 'relaunched' / 'checkpoints' / 'last.ckpt'} (step 2)" in info_lines
+    for name, expected in straight.items():
+        torch.testing.assert_close(resumed[name], expected, rtol=0, atol=0, msg=name)

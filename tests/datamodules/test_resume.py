@@ -160,7 +160,7 @@ def test_the_loader_state_is_the_position_after_the_batches_trained_on():
     iterator = iter(loader)
     next(iterator)
     state = loader.state_dict()
-    assert state == {"epoch": 0, "batches": 1}
+    assert state == {"epoch": 0, "batches": 1, "replicas": 1, "batch_size": 3}
     resumed = ResumableDataLoader(data, batch_size=3, sampler=ResumableSampler(data, seed=1), collate_fn=lambda rows: rows)
     resumed.load_state_dict(state)
     assert [batch for batch in resumed] == epoch[1:] and len(resumed) == 4
@@ -185,3 +185,28 @@ def test_worker_processes_start_at_the_resumed_batch():
     resumed.load_state_dict({"epoch": 0, "batches": 2})
     assert list(resumed) == epoch[2:]
     assert list(resumed) == epoch  # the skip applies once: the next iteration (same workers) starts at the top
+
+
+def test_a_mid_epoch_position_of_another_split_or_batch_size_is_refused_naming_both():
+    """Two ranks trained one batch of 3 each (rows 0-5 of the epoch's order); one process resuming that position would
+    have skipped 3 rows and trained rows 3-5 again (before: silently). An epoch's end resumes on any split."""
+    data = datasets.Dataset.from_dict({"input_ids": [[i] for i in range(12)]})
+
+    def loader(replicas: int, rank: int = 0, batch_size: int = 3) -> ResumableDataLoader:
+        sampler = ResumableSampler(data, num_replicas=replicas, rank=rank, seed=1)
+        return ResumableDataLoader(data, batch_size=batch_size, sampler=sampler, collate_fn=lambda rows: rows)
+
+    trained = loader(2)
+    next(iter(trained))
+    state = trained.state_dict()
+    refused = r"by 2 data-parallel rank\(s\) with batch_size=3; this run has 1 with batch_size=3"
+    with pytest.raises(ValueError, match=refused):
+        loader(1).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"this run has 2 with batch_size=2"):
+        loader(2, batch_size=2).load_state_dict(state)
+    same = loader(2, rank=1)
+    same.load_state_dict(state)
+    assert [row for batch in same for row in batch] == [row for batch in list(loader(2, rank=1))[1:] for row in batch]
+    other = loader(1)
+    other.load_state_dict({"epoch": 1, "batches": 0})
+    assert len(list(other)) == 4
