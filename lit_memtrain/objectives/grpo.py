@@ -131,10 +131,6 @@ class GRPOModule(OnlineRLModule):
         num_iterations: passes over each generation batch (TRL's ``mu``); more than one trains off-policy.
         steps_per_generation: slices each generation batch is trained in, one micro-batch each (default:
             ``gradient_accumulation_steps``).
-        generation_batch_size: TRL's: completions per generation over every rank, which here is the datamodule's
-            ``batch_size`` (prompts per rank) x ``num_generations`` x ranks: checked at fit start when given (a fit
-            whose batches hold another number fails, saying the ``batch_size`` that matches). As in TRL, not with
-            ``steps_per_generation``.
         gradient_accumulation_steps: micro-batches per optimizer step (Lightning's ``accumulate_grad_batches`` does
             not apply to manual optimisation).
         vllm_importance_sampling_correction: TRL's (default True): with a backend that reports its sampling
@@ -220,7 +216,6 @@ class GRPOModule(OnlineRLModule):
         use_bias_correction_kl: bool = True,
         num_iterations: int = 1,
         steps_per_generation: int | None = None,
-        generation_batch_size: int | None = None,
         gradient_accumulation_steps: int = 1,
         vllm_importance_sampling_correction: bool = True,
         vllm_importance_sampling_mode: SamplingCorrectionMode = "sequence_mask",
@@ -259,10 +254,6 @@ class GRPOModule(OnlineRLModule):
         _check_positive_int("num_generations_eval", num_generations_eval)
         _check_positive_int("num_iterations", num_iterations)
         _check_positive_int("gradient_accumulation_steps", gradient_accumulation_steps)
-        if generation_batch_size is not None:
-            _check_positive_int("generation_batch_size", generation_batch_size, minimum=num_generations)
-            if steps_per_generation is not None:
-                raise ValueError("generation_batch_size and steps_per_generation cannot both be set (TRL's rule).")
         steps_per_generation = gradient_accumulation_steps if steps_per_generation is None else steps_per_generation
         _check_positive_int("steps_per_generation", steps_per_generation)
         if policy_loss not in LOSS_TYPES:
@@ -342,9 +333,6 @@ class GRPOModule(OnlineRLModule):
         batch_size = getattr(self.trainer.datamodule, "batch_size", None)
         if isinstance(batch_size, int):
             self._check_slices(batch_size)
-            _check_generation_batch_size(
-                self.hparams.generation_batch_size, batch_size, self.num_generations, self.trainer.world_size
-            )
         super().on_fit_start()
 
     def _check_slices(self, prompts: int) -> None:
@@ -610,22 +598,6 @@ class GRPOModule(OnlineRLModule):
         super().on_load_checkpoint(checkpoint)
         if "entropy_bonus" in checkpoint.get("lit_memtrain", {}):
             self.entropy_bonus.load_state_dict(checkpoint["lit_memtrain"]["entropy_bonus"])
-
-
-def _check_generation_batch_size(expected: int | None, prompts: int, generations: int, world: int) -> None:
-    """Refuse a fit whose generation batches (``prompts`` per rank x ``generations`` x ``world``) are not TRL's
-    ``generation_batch_size`` completions, saying which ``batch_size`` would be."""
-    if expected is None or prompts * generations * world == expected:
-        return
-    per_rank, remainder = divmod(expected, generations * world)
-    fix = f"batch_size={per_rank}" if per_rank and not remainder else "a multiple of num_generations x ranks"
-    raise ValueError(
-        f"generation_batch_size={expected} completions, but each generation batch here is batch_size={prompts} "
-        f"prompts x num_generations={generations} x {world} ranks = {prompts * generations * world}: the datamodule's "
-        f"batch_size counts prompts per rank. Use {fix}, or leave generation_batch_size out."
-    )
-
-
 
 
 def _nanmin(values: Tensor) -> Tensor:

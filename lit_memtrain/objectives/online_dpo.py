@@ -141,7 +141,7 @@ class OnlineDPOModule(OnlineRLModule):
         given = [name for name in _GRPO_ONLY if name in kwargs]
         if given:
             raise ValueError(
-                f"{given} are GRPOModule's (TRL's GRPOConfig has them, its OnlineDPOConfig does not); OnlineDPOModule "
+                f"{given} are GRPO options (TRL's GRPOConfig has them, its OnlineDPOConfig does not); OnlineDPOModule "
                 "does not take them. Leave them out, or train with GRPOModule."
             )
         if (reward_funcs is None) == (judge is None):

@@ -199,8 +199,12 @@ TRL_FIELDS: dict[str, TrlField] = {
     "ds3_gather_for_generation": _renamed("gather_weights_for_generation", "the same choice under FSDP2"),
     "shuffle_dataset": _no("training prompts are always shuffled (PromptDataModule(seed=...))"),
     "pad_to_multiple_of": _no("slices are scored padding-free (padding_free=False: right-padded to the longest)"),
-    "generation_batch_size": _same("checked at fit start against PromptDataModule(batch_size=...) x num_generations "
-                                   "x ranks"),
+    "generation_batch_size": _renamed(
+        "PromptDataModule(batch_size=generation_batch_size / (num_generations x ranks)) and steps_per_generation="
+        "generation_batch_size / (per_device_train_batch_size x ranks)",
+        "TRL derives steps_per_generation from it and per_device_train_batch_size, which has no counterpart here: "
+        "a generation batch is the datamodule's batch_size prompts per rank x num_generations, trained in "
+        "steps_per_generation slices"),
     "steps_per_generation": _same(),
     "temperature": _same(),
     "top_p": _same(),

@@ -190,7 +190,7 @@ def test_validation_logs_the_penalised_scores_over_the_validation_prompts(saved_
 def test_grpo_options_trls_online_dpo_config_lacks_are_refused(saved_model):
     for name, value in [("cast_lm_head_to_fp32", True), ("sync_ref_model", True), ("num_generations_eval", 2),
                         ("generation_batch_size", 4), ("vllm_importance_sampling_correction", False)]:
-        with pytest.raises(ValueError, match=rf"\['{name}'\] are GRPOModule's .*OnlineDPOConfig does not"):
+        with pytest.raises(ValueError, match=rf"\['{name}'\] are GRPO options .*OnlineDPOConfig does not"):
             _module(saved_model, **{name: value})
 
 
