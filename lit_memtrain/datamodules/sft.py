@@ -114,7 +114,8 @@ class SFTDataModule(ResumableDataModule):
         dataset_format: ``auto`` (from the columns), ``text``, ``prompt_completion`` or ``conversational``.
         max_length: tokens per example (truncation) or per packed row.
         completion_only_loss: prompt-completion data trains only on the completion.
-        assistant_only_loss: conversations train only on assistant turns.
+        assistant_only_loss: conversations (``messages``, or a prompt and completion given as chat messages) train
+            only on assistant turns.
         val_size: fraction (< 1) or number (>= 1) of training examples held out for validation (with
             ``streaming``: a number, the first examples of the stream).
         val_split: name of an existing split to validate on instead.

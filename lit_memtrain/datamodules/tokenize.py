@@ -6,11 +6,13 @@ checked token by token in tests without a datamodule or a model.
 Formats, detected from the columns:
 - ``text``: language modelling; every token is trained; eos appended.
 - ``prompt`` + ``completion``: strings, or lists of chat messages (rendered with the chat template);
-  with ``completion_only_loss`` only the completion (and its eos) is trained.
+  with ``completion_only_loss`` only the completion (and its eos) is trained; chat messages with
+  ``assistant_only_loss`` train only on assistant turns too (as in TRL: a user turn inside the completion
+  stays untrained).
 - ``messages``: a conversation rendered with the chat template; with ``assistant_only_loss`` only the
   assistant turns are trained. Templates with ``{% generation %}`` marks (any whitespace-trim variant, such
   as ``{%- generation %}``) give the mask directly; other templates are masked by rendering each
-  conversation prefix and locating the assistant text.
+  conversation prefix and locating the assistant text (every token holding a character of it, as the marks do).
 
 Special tokens follow TRL's SFT tokenization token for token: strings are tokenized with the tokenizer's
 own special tokens (so Llama 3 and Gemma get their ``<bos>`` first), eos is appended as text before
@@ -216,15 +218,24 @@ def _chat_ids(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -> 
 
 
 def tokenize_prompt_completion(
-    example: dict[str, Any], tokenizer: Any, completion_only_loss: bool = True
+    example: dict[str, Any], tokenizer: Any, completion_only_loss: bool = True, assistant_only_loss: bool = False
 ) -> dict[str, list[int]]:
-    """Prompt followed by completion, tokenized whole; with ``completion_only_loss`` the prompt is masked."""
+    """Prompt followed by completion, tokenized whole; with ``completion_only_loss`` the prompt is masked.
+
+    With ``assistant_only_loss``, chat messages train only on assistant turns as well (TRL applies a conversation's
+    assistant mask to prompt-completion data too): a user or tool turn inside the completion stays untrained, and
+    without ``completion_only_loss`` the prompt's assistant turns train. String columns have no turns to mask.
+    """
     prompt, completion = required_field(example, "prompt"), required_field(example, "completion")
+    assistant_mask = None
     if isinstance(prompt, list) or isinstance(completion, list):
         prompt = _check_messages(prompt, "prompt")
         completion = _check_messages(completion, "completion")
         prompt_ids = list(_chat_ids(tokenizer, prompt, add_generation_prompt=True)["input_ids"])
-        input_ids = list(_chat_ids(tokenizer, prompt + completion)["input_ids"])
+        if assistant_only_loss:
+            input_ids, assistant_mask = _assistant_tokens(tokenizer, prompt + completion)
+        else:
+            input_ids = list(_chat_ids(tokenizer, prompt + completion)["input_ids"])
         prompt_length = _common_prefix_length(prompt_ids, input_ids)
         if prompt_length < len(prompt_ids):
             raise ExampleError(
@@ -238,10 +249,10 @@ def tokenize_prompt_completion(
         prompt_ids = encode(tokenizer, prompt)
         input_ids = encode(tokenizer, prompt + _with_eos_text(tokenizer, completion))
         prompt_length = _common_prefix_length(prompt_ids, input_ids)
-    if completion_only_loss:
-        labels = [IGNORE_INDEX] * prompt_length + input_ids[prompt_length:]
-    else:
-        labels = list(input_ids)
+    trained = [not completion_only_loss or index >= prompt_length for index in range(len(input_ids))]
+    if assistant_mask is not None:
+        trained = [keep and assistant for keep, assistant in zip(trained, assistant_mask)]
+    labels = [token if keep else IGNORE_INDEX for token, keep in zip(input_ids, trained)]
     return {"input_ids": input_ids, "labels": labels}
 
 
@@ -267,6 +278,26 @@ def _assistant_char_spans(tokenizer: Any, messages: list[dict[str, Any]], full_t
     return spans
 
 
+def _assistant_tokens(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[list[int], list[bool]]:
+    """The conversation's token ids and which of them belong to assistant turns.
+
+    Templates with ``{% generation %}`` marks give the mask directly (transformers marks every token that holds a
+    character of the marked text). Others are masked by locating each assistant turn's characters from rendered
+    prefixes and marking the same tokens: those that hold a character of a turn, including one that begins just
+    before it (a generation prompt ending in a space merges with the answer's first word into one token).
+    """
+    if has_generation_marks(tokenizer.chat_template):
+        out = _chat_ids(tokenizer, messages, return_assistant_tokens_mask=True)
+        return list(out["input_ids"]), [bool(bit) for bit in out["assistant_masks"]]
+    full_text = _render(tokenizer, messages)
+    spans = _assistant_char_spans(tokenizer, messages, full_text)
+    encoded = tokenizer(full_text, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [
+        any(lo <= start < hi or start < lo < end for lo, hi in spans) for start, end in encoded["offset_mapping"]
+    ]
+    return list(encoded["input_ids"]), mask
+
+
 def tokenize_conversation(
     example: dict[str, Any], tokenizer: Any, assistant_only_loss: bool = True
 ) -> dict[str, list[int]]:
@@ -275,15 +306,7 @@ def tokenize_conversation(
     if not assistant_only_loss:
         ids = list(_chat_ids(tokenizer, messages)["input_ids"])
         return {"input_ids": ids, "labels": list(ids)}
-    if has_generation_marks(tokenizer.chat_template):
-        out = _chat_ids(tokenizer, messages, return_assistant_tokens_mask=True)
-        ids, mask = list(out["input_ids"]), out["assistant_masks"]
-    else:
-        full_text = _render(tokenizer, messages)
-        spans = _assistant_char_spans(tokenizer, messages, full_text)
-        encoded = tokenizer(full_text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = encoded["input_ids"]
-        mask = [any(lo <= start < hi for lo, hi in spans) for start, _ in encoded["offset_mapping"]]
+    ids, mask = _assistant_tokens(tokenizer, messages)
     labels = [token if keep else IGNORE_INDEX for token, keep in zip(ids, mask)]
     return {"input_ids": ids, "labels": labels}
 
@@ -310,7 +333,7 @@ def tokenize_example(
     if dataset_format == "text":
         out = tokenize_text(example, tokenizer)
     elif dataset_format == "prompt_completion":
-        out = tokenize_prompt_completion(example, tokenizer, completion_only_loss)
+        out = tokenize_prompt_completion(example, tokenizer, completion_only_loss, assistant_only_loss)
     else:
         out = tokenize_conversation(example, tokenizer, assistant_only_loss)
     num_tokens = len(out["input_ids"])

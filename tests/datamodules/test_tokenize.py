@@ -44,8 +44,23 @@ def test_prompt_completion_masks_the_prompt(tokenizer, completion_only):
 
 def test_conversational_prompt_completion(tokenizer):
     example = {"prompt": CONVERSATION[:1], "completion": CONVERSATION[1:2]}
-    out = tokenize_example(example, tokenizer, "prompt_completion", 100)
+    out = tokenize_example(example, tokenizer, "prompt_completion", 100, assistant_only_loss=False)
     assert "".join(_trained_text(tokenizer, out)) == "5<|im_end|>\n"
+    # assistant_only_loss (the default) also applies the template's assistant marks, as TRL does: not the newline.
+    out = tokenize_example(example, tokenizer, "prompt_completion", 100)
+    assert "".join(_trained_text(tokenizer, out)) == "5<|im_end|>"
+
+
+def test_assistant_only_loss_leaves_a_user_turn_of_the_completion_untrained(tokenizer):
+    example = {"prompt": CONVERSATION[:1], "completion": CONVERSATION[1:]}  # assistant, user, assistant
+    out = tokenize_example(example, tokenizer, "prompt_completion", 100)
+    assert "".join(_trained_text(tokenizer, out)) == "5<|im_end|>cba<|im_end|>"
+    everything = tokenize_example(example, tokenizer, "prompt_completion", 100, completion_only_loss=False)
+    assert "".join(_trained_text(tokenizer, everything)) == "5<|im_end|>cba<|im_end|>"
+    plain = copy.deepcopy(tokenizer)  # no {% generation %} marks: the prefix method locates the turns
+    plain.chat_template = tokenizer.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    out = tokenize_example(example, plain, "prompt_completion", 100)
+    assert "".join(_trained_text(plain, out)) == "5<|im_end|>\ncba<|im_end|>\n"
 
 
 def test_assistant_only_loss_with_generation_marks(tokenizer):
@@ -61,6 +76,30 @@ def test_assistant_only_loss_without_generation_marks(tokenizer):
     out = tokenize_example({"messages": CONVERSATION}, plain, "conversational", 100)
     # The prefix method also covers the newline the template writes after each turn.
     assert "".join(_trained_text(plain, out)) == "5<|im_end|>\ncba<|im_end|>\n"
+
+
+# A template whose generation prompt ends with a space: the space and the first word of the answer merge into one
+# token (" 5"), which starts one character before the assistant text.
+SPACED_TEMPLATE = (
+    "{%- for message in messages %}{{- message['role'] + ': ' }}"
+    "{%- if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{%- else %}{{- message['content'] + '<|im_end|>' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- 'assistant: ' }}{%- endif %}"
+)
+
+
+@pytest.mark.parametrize("style", ["llama", "qwen"])
+def test_a_token_that_straddles_the_start_of_an_assistant_turn_is_trained_without_marks(chat_tokenizers, style):
+    marked = copy.deepcopy(chat_tokenizers[style])
+    marked.chat_template = SPACED_TEMPLATE
+    plain = copy.deepcopy(marked)
+    plain.chat_template = SPACED_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    with_marks = tokenize_example({"messages": CONVERSATION}, marked, "conversational")
+    without = tokenize_example({"messages": CONVERSATION}, plain, "conversational")
+    assert with_marks["input_ids"] == without["input_ids"]
+    assert _trained_text(marked, with_marks)[0] == " 5"  # the merge happens: " 5" is one token
+    # The prefix method marks the same tokens as transformers' marks: every token holding a character of the turn.
+    assert without["labels"] == with_marks["labels"]
 
 
 def test_conversation_without_assistant_mask_trains_everything(tokenizer):
@@ -131,6 +170,23 @@ def _trl_tokenized(tokenizer, rows, completion_only_loss, assistant_only_loss, t
         )
     trainer = SimpleNamespace(_tokenizer=tokenizer, completion_only_loss=completion_only_loss, chat_template=None)
     return SFTTrainer._prepare_dataset(trainer, Dataset.from_list(rows), tokenizer, args, False, None, "train")
+
+
+@pytest.mark.parametrize("style", ["llama", "qwen"])
+@pytest.mark.parametrize(("completion_only", "assistant_only"), [(True, True), (False, True), (True, False), (False, False)])
+def test_conversational_prompt_completion_masks_as_trl(chat_tokenizers, tmp_path, style, completion_only, assistant_only):
+    tokenizer = chat_tokenizers[style]
+    rows = [
+        {"prompt": CONVERSATION[:1], "completion": CONVERSATION[1:]},  # a user turn inside the completion
+        {"prompt": CONVERSATION[:3], "completion": CONVERSATION[3:]},  # an assistant turn inside the prompt
+    ]
+    expected = _trl_tokenized(tokenizer, rows, completion_only, assistant_only, tmp_path)
+    for row, theirs in zip(rows, expected):
+        ours = tokenize_example(
+            row, tokenizer, "prompt_completion", completion_only_loss=completion_only, assistant_only_loss=assistant_only
+        )
+        assert ours["input_ids"] == theirs["input_ids"]
+        assert ours["labels"] == theirs["labels"]
 
 
 @pytest.mark.parametrize("style", ["llama", "qwen"])
