@@ -283,6 +283,35 @@ def test_streamed_validation_holds_out_the_first_examples(tmp_path):
     assert len(list(dm.val_dataloader())) == 2  # 10 examples, batches of 8, one pass
 
 
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_streamed_validation_examples_are_in_no_rank_s_training_share(tmp_path, world):
+    # Two files are two shards: two ranks would each get one, and the hold-out must still be the stream's first rows.
+    for name in "ab":
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": f"{name}{i} x"}) + "\n" for i in range(10)))
+
+    def texts(module, rows):
+        return [module.tokenizer.decode(row["input_ids"], skip_special_tokens=True) for row in rows]
+
+    trained, validated = [], None
+    for rank in range(world):
+        dm = stream_module(tmp_path, world=world, rank=rank, val_size=5)
+        trained += texts(dm, one_pass(dm.train_dataset))
+        validated = texts(dm, dm.val_dataset)
+    assert sorted(validated) == [f"a{i} x" for i in range(5)]
+    assert sorted(trained) == sorted([f"a{i} x" for i in range(5, 10)] + [f"b{i} x" for i in range(10)])
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_bad_row_after_the_streamed_hold_out_is_named_by_its_own_line(tmp_path, world):
+    path = tmp_path / "corpus.jsonl"
+    rows = [{"text": f"row {i}"} for i in range(12)]
+    rows[8] = {"text": 5}  # line 9
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(ValueError, match=r"corpus.jsonl line 9: 'text': expected text"):
+        for rank in range(world):
+            one_pass(stream_module(path, world=world, rank=rank, val_size=3).train_dataset)
+
+
 def test_the_length_profiler_reads_a_sample_of_a_stream(tmp_path):
     path = tmp_path / "corpus.jsonl"
     write_text_corpus(path)
