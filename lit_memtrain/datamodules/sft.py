@@ -27,6 +27,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lit_memtrain.datamodules.batch import IGNORE_INDEX
+from lit_memtrain.datamodules.code_fingerprint import data_code_fingerprint
 from lit_memtrain.datamodules.collate import PaddedCollator
 from lit_memtrain.datamodules.embedded import EMBEDDED
 from lit_memtrain.datamodules.packing_plan import STRATEGIES
@@ -277,6 +278,7 @@ class SFTDataModule(ResumableDataModule):
             with_indices=True,
             fn_kwargs={
                 "locator": raw.locator(split), "tokenize": tokenize_example,
+                "data_code": data_code_fingerprint(),
                 **self._tokenize_kwargs(dataset_format, max_length),
             },
             remove_columns=columns,

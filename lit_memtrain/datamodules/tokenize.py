@@ -101,10 +101,12 @@ def chat_template_errors() -> tuple[type[BaseException], ...]:
 
 def tokenize_located(
     example: dict[str, Any], index: int, locator: Callable[[int], str], tokenize: Callable[..., dict[str, Any]],
-    **kwargs: Any,
+    data_code: str = "", **kwargs: Any,
 ) -> dict[str, Any]:
     """``tokenize(example, **kwargs)``, with where the row is (``locator(index)``: its file and line) in any error:
-    the ``datasets.map`` function of every datamodule's tokenization (``with_indices=True``)."""
+    the ``datasets.map`` function of every datamodule's tokenization (``with_indices=True``). ``data_code`` is not
+    used: given :func:`~lit_memtrain.datamodules.code_fingerprint.data_code_fingerprint`, it keys the ``map``
+    cache to the data code."""
     try:
         return tokenize(example, **kwargs)
     except (ValueError, TypeError, KeyError, *chat_template_errors()) as error:
