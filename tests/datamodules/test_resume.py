@@ -72,7 +72,7 @@ def datamodule(corpus: Path, streaming: bool) -> SFTDataModule:
 
 
 def fit(tmp_path, corpus, streaming, max_steps, ckpt_path=None, checkpoint_every=None, strategy="auto",
-        devices=1, max_epochs=None, module=None, accumulate_grad_batches=1):
+        devices=1, max_epochs=None, module=None, accumulate_grad_batches=1, limit_train_batches=None):
     callbacks = []
     if checkpoint_every:
         callbacks.append(ModelCheckpoint(tmp_path / "ckpt", "{step}", every_n_train_steps=checkpoint_every, save_top_k=-1))
@@ -81,7 +81,7 @@ def fit(tmp_path, corpus, streaming, max_steps, ckpt_path=None, checkpoint_every
         max_steps=max_steps, max_epochs=max_epochs, accelerator="cpu", devices=devices, strategy=strategy,
         logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
         enable_checkpointing=bool(callbacks), limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=tmp_path,
-        accumulate_grad_batches=accumulate_grad_batches,
+        accumulate_grad_batches=accumulate_grad_batches, limit_train_batches=limit_train_batches,
     )
     trainer.fit(module, datamodule=datamodule(corpus, streaming), ckpt_path=ckpt_path)
     return module
@@ -111,6 +111,20 @@ def test_a_resumed_run_trains_on_the_batches_of_an_uninterrupted_one(tmp_path, s
     assert sorted(resumed) == list(RESUMED)
     assert [resumed[step] for step in RESUMED] == [reference[step] for step in RESUMED]
     assert len(set(reference.values())) > 7  # the batches differ from step to step
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_epochs_cut_by_limit_train_batches_resume_and_a_stream_goes_on(tmp_path, streaming):
+    """An epoch of 4 batches (limit_train_batches), a checkpoint after its last one: the resumed run starts the
+    next epoch, as the uninterrupted one does; and a stream's next epoch continues it (its first rows once)."""
+    corpus = text_corpus(tmp_path / "corpus.jsonl", count=120)  # a pass of the stream is longer than 3 epochs
+    fit(tmp_path, corpus, streaming, 12, checkpoint_every=4, limit_train_batches=4)
+    reference = recorded(tmp_path, 12, False)
+    fit(tmp_path, corpus, streaming, 12, ckpt_path=tmp_path / "ckpt" / "step=4.ckpt", limit_train_batches=4)
+    resumed = recorded(tmp_path, 12, True)
+    assert sorted(resumed) == list(range(5, 13))
+    assert [resumed[step] for step in range(5, 13)] == [reference[step] for step in range(5, 13)]
+    assert len(set(reference.values())) == 12  # no epoch trains on an earlier epoch's batches
 
 
 @pytest.mark.parametrize("streaming", [False, True])
