@@ -9,6 +9,7 @@ Formats, detected from the columns:
   with ``completion_only_loss`` only the completion (and its eos) is trained; chat messages with
   ``assistant_only_loss`` train only on assistant turns too (as in TRL: a user turn inside the completion
   stays untrained).
+- chat messages are rendered with the row's ``tools`` and ``chat_template_kwargs`` (TRL's columns) when it has them.
 - ``messages``: a conversation rendered with the chat template; with ``assistant_only_loss`` only the
   assistant turns are trained. Templates with ``{% generation %}`` marks (any whitespace-trim variant, such
   as ``{%- generation %}``) give the mask directly; other templates are masked by rendering each
@@ -24,6 +25,7 @@ with the BOS token's text (a conversation rendered by hand) does not get a secon
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -219,6 +221,31 @@ def _chat_ids(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -> 
     return tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)
 
 
+def chat_template_kwargs(example: dict[str, Any]) -> dict[str, Any]:
+    """What a row gives its chat template besides the messages, as TRL reads it: its ``tools`` (tool schemas, or
+    those as JSON text) and its ``chat_template_kwargs`` (a dict, e.g. ``{"enable_thinking": False}``). Why: a
+    tool-calling conversation rendered without its tools trains the model on a prompt it never sees."""
+    kwargs: dict[str, Any] = {}
+    tools = example.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as error:
+            raise ExampleError(
+                f"'tools': not valid JSON ({error}); give a list of tool schemas or its JSON text."
+            ) from None
+    if tools is not None:
+        kwargs["tools"] = tools
+    extra = example.get("chat_template_kwargs")
+    if extra is not None:
+        if not isinstance(extra, dict):
+            raise ExampleError(
+                f"'chat_template_kwargs': expected a dict of template arguments, got a {type(extra).__name__}."
+            )
+        kwargs.update(extra)
+    return kwargs
+
+
 def tokenize_prompt_completion(
     example: dict[str, Any], tokenizer: Any, completion_only_loss: bool = True, assistant_only_loss: bool = False
 ) -> dict[str, list[int]]:
@@ -233,11 +260,12 @@ def tokenize_prompt_completion(
     if isinstance(prompt, list) or isinstance(completion, list):
         prompt = _check_messages(prompt, "prompt")
         completion = _check_messages(completion, "completion")
-        prompt_ids = list(_chat_ids(tokenizer, prompt, add_generation_prompt=True)["input_ids"])
+        template = chat_template_kwargs(example)
+        prompt_ids = list(_chat_ids(tokenizer, prompt, add_generation_prompt=True, **template)["input_ids"])
         if assistant_only_loss:
-            input_ids, assistant_mask = _assistant_tokens(tokenizer, prompt + completion)
+            input_ids, assistant_mask = _assistant_tokens(tokenizer, prompt + completion, template)
         else:
-            input_ids = list(_chat_ids(tokenizer, prompt + completion)["input_ids"])
+            input_ids = list(_chat_ids(tokenizer, prompt + completion, **template)["input_ids"])
         prompt_length = _common_prefix_length(prompt_ids, input_ids)
         if prompt_length < len(prompt_ids):
             raise ExampleError(
@@ -258,17 +286,23 @@ def tokenize_prompt_completion(
     return {"input_ids": input_ids, "labels": labels}
 
 
-def _render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+def _render(
+    tokenizer: Any, messages: list[dict[str, Any]], template: dict[str, Any], add_generation_prompt: bool = False
+) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template
+    )
 
 
-def _assistant_char_spans(tokenizer: Any, messages: list[dict[str, Any]], full_text: str) -> list[tuple[int, int]]:
+def _assistant_char_spans(
+    tokenizer: Any, messages: list[dict[str, Any]], full_text: str, template: dict[str, Any]
+) -> list[tuple[int, int]]:
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:i], add_generation_prompt=True)
-        through = _render(tokenizer, messages[: i + 1])
+        before = _render(tokenizer, messages[:i], template, add_generation_prompt=True)
+        through = _render(tokenizer, messages[: i + 1], template)
         if not (through.startswith(before) and full_text.startswith(through)):
             raise ValueError(
                 "The tokenizer's chat template is not prefix-stable (rendering a conversation prefix does not "
@@ -280,7 +314,9 @@ def _assistant_char_spans(tokenizer: Any, messages: list[dict[str, Any]], full_t
     return spans
 
 
-def _assistant_tokens(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[list[int], list[bool]]:
+def _assistant_tokens(
+    tokenizer: Any, messages: list[dict[str, Any]], template: dict[str, Any]
+) -> tuple[list[int], list[bool]]:
     """The conversation's token ids and which of them belong to assistant turns.
 
     Templates with ``{% generation %}`` marks give the mask directly (transformers marks every token that holds a
@@ -289,10 +325,10 @@ def _assistant_tokens(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[l
     before it (a generation prompt ending in a space merges with the answer's first word into one token).
     """
     if has_generation_marks(tokenizer.chat_template):
-        out = _chat_ids(tokenizer, messages, return_assistant_tokens_mask=True)
+        out = _chat_ids(tokenizer, messages, return_assistant_tokens_mask=True, **template)
         return list(out["input_ids"]), [bool(bit) for bit in out["assistant_masks"]]
-    full_text = _render(tokenizer, messages)
-    spans = _assistant_char_spans(tokenizer, messages, full_text)
+    full_text = _render(tokenizer, messages, template)
+    spans = _assistant_char_spans(tokenizer, messages, full_text, template)
     encoded = tokenizer(full_text, add_special_tokens=False, return_offsets_mapping=True)
     mask = [
         any(lo <= start < hi or start < lo < end for lo, hi in spans) for start, end in encoded["offset_mapping"]
@@ -305,10 +341,11 @@ def tokenize_conversation(
 ) -> dict[str, list[int]]:
     """A chat rendered with the tokenizer's template; with ``assistant_only_loss`` only assistant turns train."""
     messages = _check_messages(required_field(example, "messages"), "messages")
+    template = chat_template_kwargs(example)
     if not assistant_only_loss:
-        ids = list(_chat_ids(tokenizer, messages)["input_ids"])
+        ids = list(_chat_ids(tokenizer, messages, **template)["input_ids"])
         return {"input_ids": ids, "labels": list(ids)}
-    ids, mask = _assistant_tokens(tokenizer, messages)
+    ids, mask = _assistant_tokens(tokenizer, messages, template)
     labels = [token if keep else IGNORE_INDEX for token, keep in zip(ids, mask)]
     return {"input_ids": ids, "labels": labels}
 

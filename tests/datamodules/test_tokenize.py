@@ -1,4 +1,5 @@
 import copy
+import json
 import warnings
 
 import pytest
@@ -204,6 +205,38 @@ def test_same_tokens_and_labels_as_trl(chat_tokenizers, tmp_path, style, kind, m
         )
         assert ours["input_ids"] == theirs["input_ids"]
         assert ours["labels"] == theirs["labels"]
+
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two numbers.", "parameters": {}}}]
+
+
+@pytest.mark.parametrize("kind", ["conversational", "conversational_prompt_completion"])
+@pytest.mark.parametrize("masked", [True, False])
+def test_a_row_s_tools_and_chat_template_kwargs_reach_the_template_as_in_trl(chat_tokenizers, tmp_path, kind, masked):
+    from tests.datamodules.conftest import QWEN_TEMPLATE
+
+    tokenizer = copy.deepcopy(chat_tokenizers["qwen"])
+    tokenizer.chat_template = (
+        "{%- if tools %}{{- '<|im_start|>system\\nTools: ' + (tools | map(attribute='function') | map(attribute='name')"
+        " | join(', ')) + '<|im_end|>\\n' }}{%- endif %}"
+        "{%- if brief %}{{- '<|im_start|>system\\nBe brief.<|im_end|>\\n' }}{%- endif %}" + QWEN_TEMPLATE
+    )
+    extras = [  # TRL's columns: tools as JSON text (or a list), chat_template_kwargs a dict
+        {"tools": json.dumps(TOOLS), "chat_template_kwargs": {"brief": True}},
+        {"tools": json.dumps(TOOLS), "chat_template_kwargs": {"brief": False}},
+    ]
+    if kind == "conversational":
+        rows = [{"messages": CONVERSATION, **extra} for extra in extras]
+    else:
+        rows = [{"prompt": CONVERSATION[:3], "completion": CONVERSATION[3:], **extra} for extra in extras]
+    dataset_format = "conversational" if kind == "conversational" else "prompt_completion"
+    expected = _trl_tokenized(tokenizer, rows, masked, masked, tmp_path)
+    for row, theirs in zip(rows, expected):
+        ours = tokenize_example(row, tokenizer, dataset_format, completion_only_loss=masked, assistant_only_loss=masked)
+        assert ours["input_ids"] == theirs["input_ids"]
+        assert ours["labels"] == theirs["labels"]
+    rendered = tokenizer.decode(tokenize_example(rows[0], tokenizer, dataset_format)["input_ids"])
+    assert rendered.startswith("<|im_start|>system\nTools: add<|im_end|>\n<|im_start|>system\nBe brief.")
 
 
 def test_strings_start_with_the_bos_the_tokenizer_adds(chat_tokenizers):
