@@ -129,6 +129,34 @@ def test_a_stream_that_declares_no_features_packs_into_python_lists(tmp_path):
     assert sorted(t for row in rows for t in row["input_ids"]) == list(range(50))
 
 
+@pytest.mark.parametrize("rows", [0, 3])
+def test_a_repeating_stream_with_no_row_to_give_is_an_error_not_a_hang(tmp_path, rows):
+    """A rank whose share is empty, or whose examples all have nothing to train, would read empty passes for ever."""
+    from lit_memtrain.datamodules.streaming import TokenizedWindow
+    from lit_memtrain.datamodules.tokenize import TokenCounts
+
+    def nothing_to_train(raw, first_index):
+        empty = pa.array([], pa.list_(pa.int32()))
+        table = pa.table({"input_ids": empty, "labels": empty})
+        count = len(raw["text"])
+        counts = TokenCounts(examples=count, tokens=count, dropped_examples=count, dropped_tokens=count)
+        return TokenizedWindow(table, counts)
+
+    passes = []
+
+    def stop_looping(counts):
+        passes.append(counts)
+        if len(passes) > 3:
+            raise RuntimeError("the stream read empty passes over and over")
+
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"text": "a"}) + "\n" for _ in range(3)))
+    source = datasets.load_dataset("json", data_files=str(path), streaming=True)["train"].skip(3 - rows)
+    stream = PackedStream(source, 8, "bfd", 2, tokenize=nothing_to_train, repeat=True, on_pass_end=stop_looping)
+    with pytest.raises(ValueError, match=rf"no row in a whole pass \({rows} examples read, {rows} of them dropped"):
+        next(iter(stream))
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_resumed_stream_yields_the_rows_an_uninterrupted_one_would(strategy):
     source = unique_tokens(lognormal(600, median=40, high=300, seed=2))
