@@ -262,7 +262,10 @@ def tokenize_prompt_completion(
         completion = _check_messages(completion, "completion")
         template = chat_template_kwargs(example)
         prompt_ids = list(_chat_ids(tokenizer, prompt, add_generation_prompt=True, **template)["input_ids"])
-        if assistant_only_loss:
+        # Without marks, a completion of assistant turns that alone trains is its own assistant mask: the prefix
+        # method is left out there, as it refuses templates that render earlier turns differently (reasoning cut).
+        masks_more = not completion_only_loss or any(message["role"] != "assistant" for message in completion)
+        if assistant_only_loss and (masks_more or has_generation_marks(tokenizer.chat_template)):
             input_ids, assistant_mask = _assistant_tokens(tokenizer, prompt + completion, template)
         else:
             input_ids = list(_chat_ids(tokenizer, prompt + completion, **template)["input_ids"])

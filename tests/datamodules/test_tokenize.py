@@ -103,6 +103,17 @@ def test_a_token_that_straddles_the_start_of_an_assistant_turn_is_trained_withou
     assert without["labels"] == with_marks["labels"]
 
 
+def test_a_template_that_renders_earlier_turns_differently_still_masks_a_plain_completion(tokenizer):
+    odd = copy.deepcopy(tokenizer)  # no marks, and the last assistant turn gets a tag the earlier ones lose
+    template = tokenizer.chat_template.replace("{% endgeneration %}", "")
+    odd.chat_template = template.replace("{% generation %}", "{% if loop.last %}<last>{% endif %}")
+    example = {"prompt": CONVERSATION[:3], "completion": CONVERSATION[3:]}
+    out = tokenize_example(example, odd, "prompt_completion", 100)
+    assert "".join(_trained_text(odd, out)) == "<last>cba<|im_end|>\n"
+    with pytest.raises(ValueError, match="not prefix-stable"):  # what the prefix method would say
+        tokenize_example(example, odd, "prompt_completion", 100, completion_only_loss=False)
+
+
 def test_conversation_without_assistant_mask_trains_everything(tokenizer):
     out = tokenize_example({"messages": CONVERSATION}, tokenizer, "conversational", 100, assistant_only_loss=False)
     assert out["labels"] == out["input_ids"]
@@ -174,8 +185,11 @@ def _trl_tokenized(tokenizer, rows, completion_only_loss, assistant_only_loss, t
 
 
 @pytest.mark.parametrize("style", ["llama", "qwen"])
-@pytest.mark.parametrize(("completion_only", "assistant_only"), [(True, True), (False, True), (True, False), (False, False)])
-def test_conversational_prompt_completion_masks_as_trl(chat_tokenizers, tmp_path, style, completion_only, assistant_only):
+@pytest.mark.parametrize("completion_only", [True, False])
+@pytest.mark.parametrize("assistant_only", [True, False])
+def test_conversational_prompt_completion_masks_as_trl(
+    chat_tokenizers, tmp_path, style, completion_only, assistant_only
+):
     tokenizer = chat_tokenizers[style]
     rows = [
         {"prompt": CONVERSATION[:1], "completion": CONVERSATION[1:]},  # a user turn inside the completion
@@ -183,9 +197,8 @@ def test_conversational_prompt_completion_masks_as_trl(chat_tokenizers, tmp_path
     ]
     expected = _trl_tokenized(tokenizer, rows, completion_only, assistant_only, tmp_path)
     for row, theirs in zip(rows, expected):
-        ours = tokenize_example(
-            row, tokenizer, "prompt_completion", completion_only_loss=completion_only, assistant_only_loss=assistant_only
-        )
+        masks = {"completion_only_loss": completion_only, "assistant_only_loss": assistant_only}
+        ours = tokenize_example(row, tokenizer, "prompt_completion", **masks)
         assert ours["input_ids"] == theirs["input_ids"]
         assert ours["labels"] == theirs["labels"]
 
