@@ -108,8 +108,9 @@ class ResumableDataLoader(DataLoader):
                 return {"epoch": self._epoch + 1, "batches": 0}
             # What the count of batches means: another split or batch size would skip other rows (load_state_dict).
             return {"epoch": self._epoch, "batches": consumed, "replicas": self.sampler.num_replicas,
-                    "batch_size": self.batch_size}  # fmt: skip
+                    "batch_size": self.batch_size, **self._order()}  # fmt: skip
         state = {"epoch": self._epoch, "batches": consumed, "stream": self._stream_position(consumed)}
+        state["layout"] = self._order()
         if epoch_ended:  # the next epoch continues the stream from there, counting its batches from 0
             state.update(epoch=self._epoch + 1, batches=0)
         if _world_size() > 1:  # each rank reads its own shard of the stream: keep every rank's position
@@ -133,7 +134,30 @@ class ResumableDataLoader(DataLoader):
             raise ValueError(f"The dataloader state was saved for {kind}, which this run does not read.")
         if not self._streaming and state.get("batches"):
             self._check_same_split(state)
+        if self._streaming or state.get("batches"):  # a stream's position always points into its rows
+            self._check_same_order(state.get("layout", state) if self._streaming else state)
         self._pending = dict(state)
+
+    def _order(self) -> dict[str, Any]:
+        """What else a position is counted in: the rows and their order (map-style: how many there are and the
+        shuffle's seed; a stream: the batch size and how it cuts, packs and shuffles its windows)."""
+        if self._streaming:
+            return {"batch_size": self.batch_size, **self.dataset.layout}
+        return {"rows": len(self.dataset), "seed": self.sampler.seed}
+
+    def _check_same_order(self, saved: dict[str, Any]) -> None:
+        """Refuse a position in rows laid out otherwise (another max_length, window or seed; data that tokenizes to
+        another number of rows): the same count of batches would point at other examples, skipping some and
+        repeating others, silently. Checkpoints of earlier versions hold none of these: nothing to compare."""
+        now = self._order()
+        changed = [f"{name}={saved[name]!r} then, {value!r} now" for name, value in now.items()
+                   if saved.get(name, value) != value]  # fmt: skip
+        if changed:
+            raise ValueError(
+                f"The checkpoint's position in the training data counts rows laid out otherwise "
+                f"({', '.join(changed)}): resuming from it would skip some examples and repeat others. Resume with "
+                "the settings of the checkpointed run, or start a new run from the checkpoint's weights."
+            )
 
     def _check_same_split(self, state: dict[str, Any]) -> None:
         """Refuse a mid-epoch position counted in other units: each rank skips ``batches * batch_size`` of its own

@@ -115,6 +115,14 @@ class PackedStream(torch.utils.data.IterableDataset):
         self._position = _start_position(0)
         self._resume: dict[str, Any] | None = None
 
+    @property
+    def layout(self) -> dict[str, Any]:
+        """How the stream cuts, packs and orders its rows (a saved position points at the same rows only under it)."""
+        return {
+            "max_length": self.max_length, "strategy": self.strategy, "buffer_size": self.buffer_size,
+            "seed": self.seed, "shuffle": self.shuffle,
+        }
+
     def state_dict(self) -> dict[str, Any]:
         """Where the stream is: just after the last row it yielded (plain Python values)."""
         return copy.deepcopy(self._position)

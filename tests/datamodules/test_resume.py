@@ -174,7 +174,7 @@ def test_the_loader_state_is_the_position_after_the_batches_trained_on():
     iterator = iter(loader)
     next(iterator)
     state = loader.state_dict()
-    assert state == {"epoch": 0, "batches": 1, "replicas": 1, "batch_size": 3}
+    assert state == {"epoch": 0, "batches": 1, "replicas": 1, "batch_size": 3, "rows": 10, "seed": 1}
     resumed = ResumableDataLoader(data, batch_size=3, sampler=ResumableSampler(data, seed=1), collate_fn=lambda rows: rows)
     resumed.load_state_dict(state)
     assert [batch for batch in resumed] == epoch[1:] and len(resumed) == 4
@@ -184,6 +184,45 @@ def test_the_loader_state_is_the_position_after_the_batches_trained_on():
     assert [batch for batch in loader] != epoch  # each epoch has its own order
     with pytest.raises(ValueError, match="saved for a stream"):
         loader.load_state_dict({"epoch": 0, "batches": 1, "stream": None})
+
+
+@pytest.mark.parametrize(
+    ("streaming", "change", "value"),
+    [(False, "seed", 7), (True, "batch_size", 3), (True, "max_length", 40), (True, "buffer_size", 5),
+     (True, "seed", 7)],  # fmt: skip
+)
+def test_a_position_in_rows_laid_out_otherwise_is_refused(tmp_path, streaming, change, value):
+    """A position counts batches over rows in one order: under another seed, or a stream cut, packed or batched
+    otherwise, it would point at other examples (some skipped, some repeated), so it is not resumed there."""
+    corpus = text_corpus(tmp_path / "corpus.jsonl")
+    data = datamodule(corpus, streaming)
+    data.setup("fit")
+    loader = data.train_dataloader()
+    iterator = iter(loader)
+    next(iterator), next(iterator)
+    state = loader.state_dict()
+    same = datamodule(corpus, streaming)
+    same.setup("fit")
+    same.load_state_dict({"train_loader": state})
+    assert next(iter(same.train_dataloader()))["input_ids"].tolist() == next(iterator)["input_ids"].tolist()
+    other = datamodule(corpus, streaming)
+    setattr(other, change, value)
+    other.setup("fit")
+    other.load_state_dict({"train_loader": state})
+    with pytest.raises(ValueError, match=rf"laid out otherwise \({change}=\d+ then, {value} now\): resuming from it"):
+        other.train_dataloader()
+
+
+def test_a_map_style_position_over_another_number_of_rows_is_refused():
+    data = datasets.Dataset.from_dict({"input_ids": [[i] for i in range(12)]})
+    trained = ResumableDataLoader(data, batch_size=3, sampler=ResumableSampler(data, seed=1), collate_fn=lambda r: r)
+    next(iter(trained))
+    fewer = data.select(range(10))  # e.g. packed at another max_length, or tokenized by another version
+    resumed = ResumableDataLoader(fewer, batch_size=3, sampler=ResumableSampler(fewer, seed=1), collate_fn=lambda r: r)
+    with pytest.raises(ValueError, match=r"\(rows=12 then, 10 now\)"):
+        resumed.load_state_dict(trained.state_dict())
+    resumed.load_state_dict({"epoch": 1, "batches": 0})  # an epoch's end: nothing to skip
+    assert len(list(resumed)) == 4
 
 
 def test_worker_processes_start_at_the_resumed_batch():
