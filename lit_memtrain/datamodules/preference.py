@@ -32,6 +32,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader
 
+from lit_memtrain.datamodules.code_fingerprint import data_code_fingerprint
 from lit_memtrain.datamodules.embedded import EMBEDDED, embedded_preference_path
 from lit_memtrain.datamodules.preference_collate import MARGIN_COLUMN, REFERENCE_COLUMNS, PreferenceCollator
 from lit_memtrain.datamodules.preference_tokenize import (
@@ -243,6 +244,7 @@ class PreferenceDataModule(TokenizedSplitsDataModule):
             fn_kwargs={
                 "locator": raw.locator(split),
                 "tokenize": tokenize_preference,
+                "data_code": data_code_fingerprint(),
                 "tokenizer": self.tokenizer,
                 "max_length": max_length,
                 "max_prompt_length": self.max_prompt_length,

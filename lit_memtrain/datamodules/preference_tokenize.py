@@ -103,7 +103,11 @@ def tokenize_preference(
         prompt = required_field(example, "prompt")
     else:
         prompt, chosen, rejected = extract_prompt(chosen, rejected)
-    sides = [tokenize_prompt_completion({"prompt": prompt, "completion": c}, tokenizer) for c in (chosen, rejected)]
+    template = {name: example[name] for name in ("tools", "chat_template_kwargs") if name in example}  # TRL's columns
+    sides = [
+        tokenize_prompt_completion({"prompt": prompt, "completion": completion, **template}, tokenizer)
+        for completion in (chosen, rejected)
+    ]
     shared = min(_prompt_length(side["labels"]) for side in sides)
     prompt_ids = sides[0]["input_ids"][:shared]
     chosen_ids, rejected_ids = (side["input_ids"][shared:] for side in sides)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_memtrain.datamodules.batch import SCORED, scored_column
+from lit_memtrain.datamodules.code_fingerprint import data_code_fingerprint
 from lit_memtrain.datamodules.embedded import EMBEDDED, embedded_prompt_path
 from lit_memtrain.datamodules.prompt_tokenize import PromptTruncation, detect_prompt_format, tokenize_prompt
 from lit_memtrain.datamodules.resumable import ResumableDataLoader
@@ -191,6 +192,7 @@ class PromptDataModule(TokenizedSplitsDataModule):
             fn_kwargs={
                 "locator": raw.locator(split),
                 "tokenize": tokenize_prompt,
+                "data_code": data_code_fingerprint(),
                 "tokenizer": self.tokenizer,
                 "max_prompt_length": self.max_prompt_length,
                 "prompt_truncation": self.prompt_truncation,

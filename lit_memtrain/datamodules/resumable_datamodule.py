@@ -44,6 +44,10 @@ class ResumableDataModule(LightningDataModule):
         """Batches of the current epoch that the trainer has run a step on (Lightning fetches one ahead)."""
         return self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
 
+    def _epoch_batches(self) -> float:
+        """Batches the trainer runs per epoch (``limit_train_batches`` applied; infinite for an endless stream)."""
+        return self.trainer.num_training_batches
+
     def resumable_train_loader(
         self,
         dataset: Any,
@@ -75,6 +79,7 @@ class ResumableDataModule(LightningDataModule):
             num_workers=num_workers,
             persistent_workers=num_workers > 0,
             consumed_batches=self._consumed_batches if self.trainer is not None else None,
+            epoch_batches=self._epoch_batches if self.trainer is not None else None,
         )
         if self._train_loader_state is not None:
             loader.load_state_dict(self._train_loader_state)

@@ -27,6 +27,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lit_memtrain.datamodules.batch import IGNORE_INDEX
+from lit_memtrain.datamodules.code_fingerprint import data_code_fingerprint
 from lit_memtrain.datamodules.collate import PaddedCollator
 from lit_memtrain.datamodules.embedded import EMBEDDED
 from lit_memtrain.datamodules.packing_plan import STRATEGIES
@@ -114,7 +115,8 @@ class SFTDataModule(ResumableDataModule):
         dataset_format: ``auto`` (from the columns), ``text``, ``prompt_completion`` or ``conversational``.
         max_length: tokens per example (truncation) or per packed row.
         completion_only_loss: prompt-completion data trains only on the completion.
-        assistant_only_loss: conversations train only on assistant turns.
+        assistant_only_loss: conversations (``messages``, or a prompt and completion given as chat messages) train
+            only on assistant turns.
         val_size: fraction (< 1) or number (>= 1) of training examples held out for validation (with
             ``streaming``: a number, the first examples of the stream).
         val_split: name of an existing split to validate on instead.
@@ -276,6 +278,7 @@ class SFTDataModule(ResumableDataModule):
             with_indices=True,
             fn_kwargs={
                 "locator": raw.locator(split), "tokenize": tokenize_example,
+                "data_code": data_code_fingerprint(),
                 **self._tokenize_kwargs(dataset_format, max_length),
             },
             remove_columns=columns,
@@ -354,11 +357,13 @@ class SFTDataModule(ResumableDataModule):
     # --------------------------------------------------------------------------------------- streaming
 
     def _stream(
-        self, data: Any, raw: RawData, split: str, name: str, train: bool, whole: bool = False, share: bool = True
+        self, data: Any, raw: RawData, split: str, name: str, train: bool, whole: bool = False, share: bool = True,
+        held_out: int = 0,
     ) -> "PackedStream":
         """A stream of this rank's share of ``data`` (``share=False``: all of it), tokenized and packed (or
         truncated) a window at a time; ``whole`` yields the tokenized examples uncut and unpacked (for the length
-        profiler)."""
+        profiler). ``held_out``: ``data`` starts after that many rows of ``split`` (``data.skip``), held out for
+        validation."""
         from datasets.distributed import split_dataset_by_node
 
         from lit_memtrain.datamodules.streaming import PackedStream
@@ -373,12 +378,19 @@ class SFTDataModule(ResumableDataModule):
         dataset_format = self._format_of(list(first), raw, split, first)
         replicas, rank = self.data_parallel()
         locator = raw.locator(split)
-        if share and replicas > 1:  # as datasets splits: whole shards when they divide evenly, else every replicas-th
-            if data.num_shards % replicas == 0 and data.num_shards > 1:
+        locator = RowLocator(locator.files, locator.split, offset=held_out)
+        if share and replicas > 1:
+            # Whole shards when they divide evenly, else every replicas-th row. Not shards after a hold-out: datasets
+            # then splits the skipped count over the shards (each rank skips its part of its own shards), so some
+            # validation rows would train and as many training rows would be skipped.
+            by_shards = not held_out and data.num_shards % replicas == 0 and data.num_shards > 1
+            if by_shards:
                 locator = RowLocator((), f"the shards of rank {rank} of the {split} split")
             else:
-                locator = RowLocator(locator.files, locator.split, step=replicas, offset=rank)
-            data = split_dataset_by_node(data, rank=rank, world_size=replicas)
+                locator = RowLocator(locator.files, locator.split, step=replicas, offset=held_out + rank)
+            data = split_dataset_by_node(
+                data, rank=rank, world_size=replicas, strategy="shards" if by_shards else "examples"
+            )
         truncate_at = None if whole else self._truncate_at
         tokenize = WindowTokenizer(**self._tokenize_kwargs(dataset_format, truncate_at), locator=locator)
 
@@ -402,9 +414,10 @@ class SFTDataModule(ResumableDataModule):
 
     def _prepare_stream(self) -> "tuple[PackedStream, PackedStream | None]":
         raw, data, val_data = self._load()
-        if self.val_size:
-            val_data, data = data.take(int(self.val_size)), data.skip(int(self.val_size))
-        train = self._stream(data, raw, self.split, "train", train=True)
+        held_out = int(self.val_size)
+        if held_out:
+            val_data, data = data.take(held_out), data.skip(held_out)
+        train = self._stream(data, raw, self.split, "train", train=True, held_out=held_out)
         val = None
         if val_data is not None:
             # Read whole by every rank, and dealt when loaded: shares of a stream read apart would hold numbers of

@@ -115,6 +115,14 @@ class PackedStream(torch.utils.data.IterableDataset):
         self._position = _start_position(0)
         self._resume: dict[str, Any] | None = None
 
+    @property
+    def layout(self) -> dict[str, Any]:
+        """How the stream cuts, packs and orders its rows (a saved position points at the same rows only under it)."""
+        return {
+            "max_length": self.max_length, "strategy": self.strategy, "buffer_size": self.buffer_size,
+            "seed": self.seed, "shuffle": self.shuffle,
+        }
+
     def state_dict(self) -> dict[str, Any]:
         """Where the stream is: just after the last row it yielded (plain Python values)."""
         return copy.deepcopy(self._position)
@@ -144,11 +152,21 @@ class PackedStream(torch.utils.data.IterableDataset):
         """The rows from where the stream stands, pass after pass when it repeats."""
         position, self._resume = self._resume or _start_position(0), None
         while True:
-            yield from self._one_pass(position)
+            rows = 0
+            for row in self._one_pass(position):
+                rows += 1
+                yield row
             if self.on_pass_end is not None:
                 self.on_pass_end(self.counts)
             if not self.repeat:
                 return
+            if not rows and position == _start_position(position["pass"]):  # would read empty passes for ever
+                raise ValueError(
+                    f"The stream gave no row in a whole pass ({self.counts.examples} examples read, "
+                    f"{self.counts.dropped_examples} of them dropped with nothing to train), so repeating it would "
+                    "never give a batch. With several data-parallel ranks, each rank reads its own share: give every "
+                    "rank at least one example with a trainable token."
+                )
             position = _start_position(position["pass"] + 1)
 
     def _one_pass(self, position: dict[str, Any]) -> Iterator[dict[str, np.ndarray]]:

@@ -6,11 +6,14 @@ checked token by token in tests without a datamodule or a model.
 Formats, detected from the columns:
 - ``text``: language modelling; every token is trained; eos appended.
 - ``prompt`` + ``completion``: strings, or lists of chat messages (rendered with the chat template);
-  with ``completion_only_loss`` only the completion (and its eos) is trained.
+  with ``completion_only_loss`` only the completion (and its eos) is trained; chat messages with
+  ``assistant_only_loss`` train only on assistant turns too (as in TRL: a user turn inside the completion
+  stays untrained).
+- chat messages are rendered with the row's ``tools`` and ``chat_template_kwargs`` (TRL's columns) when it has them.
 - ``messages``: a conversation rendered with the chat template; with ``assistant_only_loss`` only the
   assistant turns are trained. Templates with ``{% generation %}`` marks (any whitespace-trim variant, such
   as ``{%- generation %}``) give the mask directly; other templates are masked by rendering each
-  conversation prefix and locating the assistant text.
+  conversation prefix and locating the assistant text (every token holding a character of it, as the marks do).
 
 Special tokens follow TRL's SFT tokenization token for token: strings are tokenized with the tokenizer's
 own special tokens (so Llama 3 and Gemma get their ``<bos>`` first), eos is appended as text before
@@ -22,6 +25,7 @@ with the BOS token's text (a conversation rendered by hand) does not get a secon
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -99,10 +103,12 @@ def chat_template_errors() -> tuple[type[BaseException], ...]:
 
 def tokenize_located(
     example: dict[str, Any], index: int, locator: Callable[[int], str], tokenize: Callable[..., dict[str, Any]],
-    **kwargs: Any,
+    data_code: str = "", **kwargs: Any,
 ) -> dict[str, Any]:
     """``tokenize(example, **kwargs)``, with where the row is (``locator(index)``: its file and line) in any error:
-    the ``datasets.map`` function of every datamodule's tokenization (``with_indices=True``)."""
+    the ``datasets.map`` function of every datamodule's tokenization (``with_indices=True``). ``data_code`` is not
+    used: given :func:`~lit_memtrain.datamodules.code_fingerprint.data_code_fingerprint`, it keys the ``map``
+    cache to the data code."""
     try:
         return tokenize(example, **kwargs)
     except (ValueError, TypeError, KeyError, *chat_template_errors()) as error:
@@ -215,16 +221,54 @@ def _chat_ids(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -> 
     return tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)
 
 
+def chat_template_kwargs(example: dict[str, Any]) -> dict[str, Any]:
+    """What a row gives its chat template besides the messages, as TRL reads it: its ``tools`` (tool schemas, or
+    those as JSON text) and its ``chat_template_kwargs`` (a dict, e.g. ``{"enable_thinking": False}``). Why: a
+    tool-calling conversation rendered without its tools trains the model on a prompt it never sees."""
+    kwargs: dict[str, Any] = {}
+    tools = example.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as error:
+            raise ExampleError(
+                f"'tools': not valid JSON ({error}); give a list of tool schemas or its JSON text."
+            ) from None
+    if tools is not None:
+        kwargs["tools"] = tools
+    extra = example.get("chat_template_kwargs")
+    if extra is not None:
+        if not isinstance(extra, dict):
+            raise ExampleError(
+                f"'chat_template_kwargs': expected a dict of template arguments, got a {type(extra).__name__}."
+            )
+        kwargs.update(extra)
+    return kwargs
+
+
 def tokenize_prompt_completion(
-    example: dict[str, Any], tokenizer: Any, completion_only_loss: bool = True
+    example: dict[str, Any], tokenizer: Any, completion_only_loss: bool = True, assistant_only_loss: bool = False
 ) -> dict[str, list[int]]:
-    """Prompt followed by completion, tokenized whole; with ``completion_only_loss`` the prompt is masked."""
+    """Prompt followed by completion, tokenized whole; with ``completion_only_loss`` the prompt is masked.
+
+    With ``assistant_only_loss``, chat messages train only on assistant turns as well (TRL applies a conversation's
+    assistant mask to prompt-completion data too): a user or tool turn inside the completion stays untrained, and
+    without ``completion_only_loss`` the prompt's assistant turns train. String columns have no turns to mask.
+    """
     prompt, completion = required_field(example, "prompt"), required_field(example, "completion")
+    assistant_mask = None
     if isinstance(prompt, list) or isinstance(completion, list):
         prompt = _check_messages(prompt, "prompt")
         completion = _check_messages(completion, "completion")
-        prompt_ids = list(_chat_ids(tokenizer, prompt, add_generation_prompt=True)["input_ids"])
-        input_ids = list(_chat_ids(tokenizer, prompt + completion)["input_ids"])
+        template = chat_template_kwargs(example)
+        prompt_ids = list(_chat_ids(tokenizer, prompt, add_generation_prompt=True, **template)["input_ids"])
+        # Without marks, a completion of assistant turns that alone trains is its own assistant mask: the prefix
+        # method is left out there, as it refuses templates that render earlier turns differently (reasoning cut).
+        masks_more = not completion_only_loss or any(message["role"] != "assistant" for message in completion)
+        if assistant_only_loss and (masks_more or has_generation_marks(tokenizer.chat_template)):
+            input_ids, assistant_mask = _assistant_tokens(tokenizer, prompt + completion, template)
+        else:
+            input_ids = list(_chat_ids(tokenizer, prompt + completion, **template)["input_ids"])
         prompt_length = _common_prefix_length(prompt_ids, input_ids)
         if prompt_length < len(prompt_ids):
             raise ExampleError(
@@ -238,24 +282,30 @@ def tokenize_prompt_completion(
         prompt_ids = encode(tokenizer, prompt)
         input_ids = encode(tokenizer, prompt + _with_eos_text(tokenizer, completion))
         prompt_length = _common_prefix_length(prompt_ids, input_ids)
-    if completion_only_loss:
-        labels = [IGNORE_INDEX] * prompt_length + input_ids[prompt_length:]
-    else:
-        labels = list(input_ids)
+    trained = [not completion_only_loss or index >= prompt_length for index in range(len(input_ids))]
+    if assistant_mask is not None:
+        trained = [keep and assistant for keep, assistant in zip(trained, assistant_mask)]
+    labels = [token if keep else IGNORE_INDEX for token, keep in zip(input_ids, trained)]
     return {"input_ids": input_ids, "labels": labels}
 
 
-def _render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+def _render(
+    tokenizer: Any, messages: list[dict[str, Any]], template: dict[str, Any], add_generation_prompt: bool = False
+) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template
+    )
 
 
-def _assistant_char_spans(tokenizer: Any, messages: list[dict[str, Any]], full_text: str) -> list[tuple[int, int]]:
+def _assistant_char_spans(
+    tokenizer: Any, messages: list[dict[str, Any]], full_text: str, template: dict[str, Any]
+) -> list[tuple[int, int]]:
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:i], add_generation_prompt=True)
-        through = _render(tokenizer, messages[: i + 1])
+        before = _render(tokenizer, messages[:i], template, add_generation_prompt=True)
+        through = _render(tokenizer, messages[: i + 1], template)
         if not (through.startswith(before) and full_text.startswith(through)):
             raise ValueError(
                 "The tokenizer's chat template is not prefix-stable (rendering a conversation prefix does not "
@@ -267,23 +317,38 @@ def _assistant_char_spans(tokenizer: Any, messages: list[dict[str, Any]], full_t
     return spans
 
 
+def _assistant_tokens(
+    tokenizer: Any, messages: list[dict[str, Any]], template: dict[str, Any]
+) -> tuple[list[int], list[bool]]:
+    """The conversation's token ids and which of them belong to assistant turns.
+
+    Templates with ``{% generation %}`` marks give the mask directly (transformers marks every token that holds a
+    character of the marked text). Others are masked by locating each assistant turn's characters from rendered
+    prefixes and marking the same tokens: those that hold a character of a turn, including one that begins just
+    before it (a generation prompt ending in a space merges with the answer's first word into one token).
+    """
+    if has_generation_marks(tokenizer.chat_template):
+        out = _chat_ids(tokenizer, messages, return_assistant_tokens_mask=True, **template)
+        return list(out["input_ids"]), [bool(bit) for bit in out["assistant_masks"]]
+    full_text = _render(tokenizer, messages, template)
+    spans = _assistant_char_spans(tokenizer, messages, full_text, template)
+    encoded = tokenizer(full_text, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [
+        any(lo <= start < hi or start < lo < end for lo, hi in spans) for start, end in encoded["offset_mapping"]
+    ]
+    return list(encoded["input_ids"]), mask
+
+
 def tokenize_conversation(
     example: dict[str, Any], tokenizer: Any, assistant_only_loss: bool = True
 ) -> dict[str, list[int]]:
     """A chat rendered with the tokenizer's template; with ``assistant_only_loss`` only assistant turns train."""
     messages = _check_messages(required_field(example, "messages"), "messages")
+    template = chat_template_kwargs(example)
     if not assistant_only_loss:
-        ids = list(_chat_ids(tokenizer, messages)["input_ids"])
+        ids = list(_chat_ids(tokenizer, messages, **template)["input_ids"])
         return {"input_ids": ids, "labels": list(ids)}
-    if has_generation_marks(tokenizer.chat_template):
-        out = _chat_ids(tokenizer, messages, return_assistant_tokens_mask=True)
-        ids, mask = list(out["input_ids"]), out["assistant_masks"]
-    else:
-        full_text = _render(tokenizer, messages)
-        spans = _assistant_char_spans(tokenizer, messages, full_text)
-        encoded = tokenizer(full_text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = encoded["input_ids"]
-        mask = [any(lo <= start < hi for lo, hi in spans) for start, _ in encoded["offset_mapping"]]
+    ids, mask = _assistant_tokens(tokenizer, messages, template)
     labels = [token if keep else IGNORE_INDEX for token, keep in zip(ids, mask)]
     return {"input_ids": ids, "labels": labels}
 
@@ -310,7 +375,7 @@ def tokenize_example(
     if dataset_format == "text":
         out = tokenize_text(example, tokenizer)
     elif dataset_format == "prompt_completion":
-        out = tokenize_prompt_completion(example, tokenizer, completion_only_loss)
+        out = tokenize_prompt_completion(example, tokenizer, completion_only_loss, assistant_only_loss)
     else:
         out = tokenize_conversation(example, tokenizer, assistant_only_loss)
     num_tokens = len(out["input_ids"])

@@ -46,6 +46,26 @@ def test_conversational_pair_renders_the_chat_template(chat_tokenizers, style):
     assert tokenizer.decode(out["rejected_ids"]).startswith("6")
 
 
+def test_a_pair_s_tools_and_chat_template_kwargs_reach_the_template(chat_tokenizers):
+    import copy
+    import json
+
+    tokenizer = copy.deepcopy(chat_tokenizers["qwen"])
+    tokenizer.chat_template = (
+        "{%- if tools %}{{- 'Tools: ' + (tools | map(attribute='name') | join(', ')) + '\\n' }}{%- endif %}"
+        "{%- if brief %}{{- 'Be brief.\\n' }}{%- endif %}" + tokenizer.chat_template
+    )
+    tools = [{"name": "add", "description": "Add two numbers."}]
+    pair = {"prompt": USER, "chosen": GOOD, "rejected": BAD}
+    pair.update(tools=json.dumps(tools), chat_template_kwargs={"brief": True})  # TRL's columns
+    out = tokenize_preference(pair, tokenizer)
+    expected = tokenizer.apply_chat_template(
+        USER, tools=tools, brief=True, tokenize=True, add_generation_prompt=True, return_dict=True
+    )["input_ids"]
+    assert out["prompt_ids"] == list(expected)
+    assert tokenizer.decode(out["prompt_ids"]).startswith("Tools: add\nBe brief.\n")
+
+
 def test_implicit_prompt_is_the_shared_prefix(tokenizer):
     explicit = tokenize_preference({"prompt": USER, "chosen": GOOD, "rejected": BAD}, tokenizer)
     assert tokenize_preference({"chosen": USER + GOOD, "rejected": USER + BAD}, tokenizer) == explicit

@@ -72,7 +72,7 @@ def datamodule(corpus: Path, streaming: bool) -> SFTDataModule:
 
 
 def fit(tmp_path, corpus, streaming, max_steps, ckpt_path=None, checkpoint_every=None, strategy="auto",
-        devices=1, max_epochs=None, module=None, accumulate_grad_batches=1):
+        devices=1, max_epochs=None, module=None, accumulate_grad_batches=1, limit_train_batches=None):
     callbacks = []
     if checkpoint_every:
         callbacks.append(ModelCheckpoint(tmp_path / "ckpt", "{step}", every_n_train_steps=checkpoint_every, save_top_k=-1))
@@ -81,7 +81,7 @@ def fit(tmp_path, corpus, streaming, max_steps, ckpt_path=None, checkpoint_every
         max_steps=max_steps, max_epochs=max_epochs, accelerator="cpu", devices=devices, strategy=strategy,
         logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
         enable_checkpointing=bool(callbacks), limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=tmp_path,
-        accumulate_grad_batches=accumulate_grad_batches,
+        accumulate_grad_batches=accumulate_grad_batches, limit_train_batches=limit_train_batches,
     )
     trainer.fit(module, datamodule=datamodule(corpus, streaming), ckpt_path=ckpt_path)
     return module
@@ -111,6 +111,20 @@ def test_a_resumed_run_trains_on_the_batches_of_an_uninterrupted_one(tmp_path, s
     assert sorted(resumed) == list(RESUMED)
     assert [resumed[step] for step in RESUMED] == [reference[step] for step in RESUMED]
     assert len(set(reference.values())) > 7  # the batches differ from step to step
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_epochs_cut_by_limit_train_batches_resume_and_a_stream_goes_on(tmp_path, streaming):
+    """An epoch of 4 batches (limit_train_batches), a checkpoint after its last one: the resumed run starts the
+    next epoch, as the uninterrupted one does; and a stream's next epoch continues it (its first rows once)."""
+    corpus = text_corpus(tmp_path / "corpus.jsonl", count=120)  # a pass of the stream is longer than 3 epochs
+    fit(tmp_path, corpus, streaming, 12, checkpoint_every=4, limit_train_batches=4)
+    reference = recorded(tmp_path, 12, False)
+    fit(tmp_path, corpus, streaming, 12, ckpt_path=tmp_path / "ckpt" / "step=4.ckpt", limit_train_batches=4)
+    resumed = recorded(tmp_path, 12, True)
+    assert sorted(resumed) == list(range(5, 13))
+    assert [resumed[step] for step in range(5, 13)] == [reference[step] for step in range(5, 13)]
+    assert len(set(reference.values())) == 12  # no epoch trains on an earlier epoch's batches
 
 
 @pytest.mark.parametrize("streaming", [False, True])
@@ -160,7 +174,7 @@ def test_the_loader_state_is_the_position_after_the_batches_trained_on():
     iterator = iter(loader)
     next(iterator)
     state = loader.state_dict()
-    assert state == {"epoch": 0, "batches": 1, "replicas": 1, "batch_size": 3}
+    assert state == {"epoch": 0, "batches": 1, "replicas": 1, "batch_size": 3, "rows": 10, "seed": 1}
     resumed = ResumableDataLoader(data, batch_size=3, sampler=ResumableSampler(data, seed=1), collate_fn=lambda rows: rows)
     resumed.load_state_dict(state)
     assert [batch for batch in resumed] == epoch[1:] and len(resumed) == 4
@@ -170,6 +184,45 @@ def test_the_loader_state_is_the_position_after_the_batches_trained_on():
     assert [batch for batch in loader] != epoch  # each epoch has its own order
     with pytest.raises(ValueError, match="saved for a stream"):
         loader.load_state_dict({"epoch": 0, "batches": 1, "stream": None})
+
+
+@pytest.mark.parametrize(
+    ("streaming", "change", "value"),
+    [(False, "seed", 7), (True, "batch_size", 3), (True, "max_length", 40), (True, "buffer_size", 5),
+     (True, "seed", 7)],  # fmt: skip
+)
+def test_a_position_in_rows_laid_out_otherwise_is_refused(tmp_path, streaming, change, value):
+    """A position counts batches over rows in one order: under another seed, or a stream cut, packed or batched
+    otherwise, it would point at other examples (some skipped, some repeated), so it is not resumed there."""
+    corpus = text_corpus(tmp_path / "corpus.jsonl")
+    data = datamodule(corpus, streaming)
+    data.setup("fit")
+    loader = data.train_dataloader()
+    iterator = iter(loader)
+    next(iterator), next(iterator)
+    state = loader.state_dict()
+    same = datamodule(corpus, streaming)
+    same.setup("fit")
+    same.load_state_dict({"train_loader": state})
+    assert next(iter(same.train_dataloader()))["input_ids"].tolist() == next(iterator)["input_ids"].tolist()
+    other = datamodule(corpus, streaming)
+    setattr(other, change, value)
+    other.setup("fit")
+    other.load_state_dict({"train_loader": state})
+    with pytest.raises(ValueError, match=rf"laid out otherwise \({change}=\d+ then, {value} now\): resuming from it"):
+        other.train_dataloader()
+
+
+def test_a_map_style_position_over_another_number_of_rows_is_refused():
+    data = datasets.Dataset.from_dict({"input_ids": [[i] for i in range(12)]})
+    trained = ResumableDataLoader(data, batch_size=3, sampler=ResumableSampler(data, seed=1), collate_fn=lambda r: r)
+    next(iter(trained))
+    fewer = data.select(range(10))  # e.g. packed at another max_length, or tokenized by another version
+    resumed = ResumableDataLoader(fewer, batch_size=3, sampler=ResumableSampler(fewer, seed=1), collate_fn=lambda r: r)
+    with pytest.raises(ValueError, match=r"\(rows=12 then, 10 now\)"):
+        resumed.load_state_dict(trained.state_dict())
+    resumed.load_state_dict({"epoch": 1, "batches": 0})  # an epoch's end: nothing to skip
+    assert len(list(resumed)) == 4
 
 
 def test_worker_processes_start_at_the_resumed_batch():

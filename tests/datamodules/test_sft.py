@@ -53,6 +53,39 @@ def test_numbers_in_a_text_column_are_an_error(tmp_path):
         _setup(dataset=str(path))
 
 
+def test_a_cached_tokenization_is_not_reused_by_other_data_code(tmp_path, monkeypatch):
+    """datasets hashes the map function by its name: a new version of the data code (here, masks that train every
+    token, and the other source fingerprint that version has) must tokenize again, not load the cached old masks."""
+    import datasets.config
+
+    from lit_memtrain.datamodules import sft, tokenize
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in ROWS))
+    before = _setup(dataset=str(path)).train_dataset[0]
+    assert -100 in before["labels"]
+    masked = tokenize.tokenize_prompt_completion
+    monkeypatch.setattr(
+        tokenize, "tokenize_prompt_completion", lambda example, tokenizer, *_: masked(example, tokenizer, False)
+    )
+    monkeypatch.setattr(sft, "data_code_fingerprint", lambda: "the next version")
+    after = _setup(dataset=str(path)).train_dataset[0]
+    assert after["input_ids"] == before["input_ids"] and after["labels"] == after["input_ids"]
+
+
+def test_the_data_code_fingerprint_follows_the_source(tmp_path):
+    from lit_memtrain.datamodules.code_fingerprint import data_code_fingerprint
+
+    (tmp_path / "tokenize.py").write_text("MASK = -100\n")
+    first = data_code_fingerprint(tmp_path)
+    assert data_code_fingerprint(tmp_path) == first
+    (tmp_path / "tokenize.py").write_text("MASK = -101\n")
+    data_code_fingerprint.cache_clear()
+    assert data_code_fingerprint(tmp_path) != first
+    assert len(data_code_fingerprint()) == 16
+
+
 def test_validation_split_and_held_out_size():
     data = datasets.Dataset.from_list(ROWS)
     dm = _setup(dataset=data, val_size=3)

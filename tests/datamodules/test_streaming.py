@@ -129,6 +129,34 @@ def test_a_stream_that_declares_no_features_packs_into_python_lists(tmp_path):
     assert sorted(t for row in rows for t in row["input_ids"]) == list(range(50))
 
 
+@pytest.mark.parametrize("rows", [0, 3])
+def test_a_repeating_stream_with_no_row_to_give_is_an_error_not_a_hang(tmp_path, rows):
+    """A rank whose share is empty, or whose examples all have nothing to train, would read empty passes for ever."""
+    from lit_memtrain.datamodules.streaming import TokenizedWindow
+    from lit_memtrain.datamodules.tokenize import TokenCounts
+
+    def nothing_to_train(raw, first_index):
+        empty = pa.array([], pa.list_(pa.int32()))
+        table = pa.table({"input_ids": empty, "labels": empty})
+        count = len(raw["text"])
+        counts = TokenCounts(examples=count, tokens=count, dropped_examples=count, dropped_tokens=count)
+        return TokenizedWindow(table, counts)
+
+    passes = []
+
+    def stop_looping(counts):
+        passes.append(counts)
+        if len(passes) > 3:
+            raise RuntimeError("the stream read empty passes over and over")
+
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"text": "a"}) + "\n" for _ in range(3)))
+    source = datasets.load_dataset("json", data_files=str(path), streaming=True)["train"].skip(3 - rows)
+    stream = PackedStream(source, 8, "bfd", 2, tokenize=nothing_to_train, repeat=True, on_pass_end=stop_looping)
+    with pytest.raises(ValueError, match=rf"no row in a whole pass \({rows} examples read, {rows} of them dropped"):
+        next(iter(stream))
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_resumed_stream_yields_the_rows_an_uninterrupted_one_would(strategy):
     source = unique_tokens(lognormal(600, median=40, high=300, seed=2))
@@ -281,6 +309,35 @@ def test_streamed_validation_holds_out_the_first_examples(tmp_path):
     in_memory.setup("fit")
     assert sorted(val) == sorted(in_memory.train_dataset["input_ids"][:10])
     assert len(list(dm.val_dataloader())) == 2  # 10 examples, batches of 8, one pass
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_streamed_validation_examples_are_in_no_rank_s_training_share(tmp_path, world):
+    # Two files are two shards: two ranks would each get one, and the hold-out must still be the stream's first rows.
+    for name in "ab":
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": f"{name}{i} x"}) + "\n" for i in range(10)))
+
+    def texts(module, rows):
+        return [module.tokenizer.decode(row["input_ids"], skip_special_tokens=True) for row in rows]
+
+    trained, validated = [], None
+    for rank in range(world):
+        dm = stream_module(tmp_path, world=world, rank=rank, val_size=5)
+        trained += texts(dm, one_pass(dm.train_dataset))
+        validated = texts(dm, dm.val_dataset)
+    assert sorted(validated) == [f"a{i} x" for i in range(5)]
+    assert sorted(trained) == sorted([f"a{i} x" for i in range(5, 10)] + [f"b{i} x" for i in range(10)])
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_bad_row_after_the_streamed_hold_out_is_named_by_its_own_line(tmp_path, world):
+    path = tmp_path / "corpus.jsonl"
+    rows = [{"text": f"row {i}"} for i in range(12)]
+    rows[8] = {"text": 5}  # line 9
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(ValueError, match=r"corpus.jsonl line 9: 'text': expected text"):
+        for rank in range(world):
+            one_pass(stream_module(path, world=world, rank=rank, val_size=3).train_dataset)
 
 
 def test_the_length_profiler_reads_a_sample_of_a_stream(tmp_path):

@@ -1,4 +1,5 @@
 import copy
+import json
 import warnings
 
 import pytest
@@ -44,8 +45,23 @@ def test_prompt_completion_masks_the_prompt(tokenizer, completion_only):
 
 def test_conversational_prompt_completion(tokenizer):
     example = {"prompt": CONVERSATION[:1], "completion": CONVERSATION[1:2]}
-    out = tokenize_example(example, tokenizer, "prompt_completion", 100)
+    out = tokenize_example(example, tokenizer, "prompt_completion", 100, assistant_only_loss=False)
     assert "".join(_trained_text(tokenizer, out)) == "5<|im_end|>\n"
+    # assistant_only_loss (the default) also applies the template's assistant marks, as TRL does: not the newline.
+    out = tokenize_example(example, tokenizer, "prompt_completion", 100)
+    assert "".join(_trained_text(tokenizer, out)) == "5<|im_end|>"
+
+
+def test_assistant_only_loss_leaves_a_user_turn_of_the_completion_untrained(tokenizer):
+    example = {"prompt": CONVERSATION[:1], "completion": CONVERSATION[1:]}  # assistant, user, assistant
+    out = tokenize_example(example, tokenizer, "prompt_completion", 100)
+    assert "".join(_trained_text(tokenizer, out)) == "5<|im_end|>cba<|im_end|>"
+    everything = tokenize_example(example, tokenizer, "prompt_completion", 100, completion_only_loss=False)
+    assert "".join(_trained_text(tokenizer, everything)) == "5<|im_end|>cba<|im_end|>"
+    plain = copy.deepcopy(tokenizer)  # no {% generation %} marks: the prefix method locates the turns
+    plain.chat_template = tokenizer.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    out = tokenize_example(example, plain, "prompt_completion", 100)
+    assert "".join(_trained_text(plain, out)) == "5<|im_end|>\ncba<|im_end|>\n"
 
 
 def test_assistant_only_loss_with_generation_marks(tokenizer):
@@ -61,6 +77,41 @@ def test_assistant_only_loss_without_generation_marks(tokenizer):
     out = tokenize_example({"messages": CONVERSATION}, plain, "conversational", 100)
     # The prefix method also covers the newline the template writes after each turn.
     assert "".join(_trained_text(plain, out)) == "5<|im_end|>\ncba<|im_end|>\n"
+
+
+# A template whose generation prompt ends with a space: the space and the first word of the answer merge into one
+# token (" 5"), which starts one character before the assistant text.
+SPACED_TEMPLATE = (
+    "{%- for message in messages %}{{- message['role'] + ': ' }}"
+    "{%- if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{%- else %}{{- message['content'] + '<|im_end|>' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- 'assistant: ' }}{%- endif %}"
+)
+
+
+@pytest.mark.parametrize("style", ["llama", "qwen"])
+def test_a_token_that_straddles_the_start_of_an_assistant_turn_is_trained_without_marks(chat_tokenizers, style):
+    marked = copy.deepcopy(chat_tokenizers[style])
+    marked.chat_template = SPACED_TEMPLATE
+    plain = copy.deepcopy(marked)
+    plain.chat_template = SPACED_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    with_marks = tokenize_example({"messages": CONVERSATION}, marked, "conversational")
+    without = tokenize_example({"messages": CONVERSATION}, plain, "conversational")
+    assert with_marks["input_ids"] == without["input_ids"]
+    assert _trained_text(marked, with_marks)[0] == " 5"  # the merge happens: " 5" is one token
+    # The prefix method marks the same tokens as transformers' marks: every token holding a character of the turn.
+    assert without["labels"] == with_marks["labels"]
+
+
+def test_a_template_that_renders_earlier_turns_differently_still_masks_a_plain_completion(tokenizer):
+    odd = copy.deepcopy(tokenizer)  # no marks, and the last assistant turn gets a tag the earlier ones lose
+    template = tokenizer.chat_template.replace("{% endgeneration %}", "")
+    odd.chat_template = template.replace("{% generation %}", "{% if loop.last %}<last>{% endif %}")
+    example = {"prompt": CONVERSATION[:3], "completion": CONVERSATION[3:]}
+    out = tokenize_example(example, odd, "prompt_completion", 100)
+    assert "".join(_trained_text(odd, out)) == "<last>cba<|im_end|>\n"
+    with pytest.raises(ValueError, match="not prefix-stable"):  # what the prefix method would say
+        tokenize_example(example, odd, "prompt_completion", 100, completion_only_loss=False)
 
 
 def test_conversation_without_assistant_mask_trains_everything(tokenizer):
@@ -134,6 +185,25 @@ def _trl_tokenized(tokenizer, rows, completion_only_loss, assistant_only_loss, t
 
 
 @pytest.mark.parametrize("style", ["llama", "qwen"])
+@pytest.mark.parametrize("completion_only", [True, False])
+@pytest.mark.parametrize("assistant_only", [True, False])
+def test_conversational_prompt_completion_masks_as_trl(
+    chat_tokenizers, tmp_path, style, completion_only, assistant_only
+):
+    tokenizer = chat_tokenizers[style]
+    rows = [
+        {"prompt": CONVERSATION[:1], "completion": CONVERSATION[1:]},  # a user turn inside the completion
+        {"prompt": CONVERSATION[:3], "completion": CONVERSATION[3:]},  # an assistant turn inside the prompt
+    ]
+    expected = _trl_tokenized(tokenizer, rows, completion_only, assistant_only, tmp_path)
+    for row, theirs in zip(rows, expected):
+        masks = {"completion_only_loss": completion_only, "assistant_only_loss": assistant_only}
+        ours = tokenize_example(row, tokenizer, "prompt_completion", **masks)
+        assert ours["input_ids"] == theirs["input_ids"]
+        assert ours["labels"] == theirs["labels"]
+
+
+@pytest.mark.parametrize("style", ["llama", "qwen"])
 @pytest.mark.parametrize("kind", list(PARITY_EXAMPLES))
 @pytest.mark.parametrize("masked", [True, False])
 def test_same_tokens_and_labels_as_trl(chat_tokenizers, tmp_path, style, kind, masked):
@@ -148,6 +218,38 @@ def test_same_tokens_and_labels_as_trl(chat_tokenizers, tmp_path, style, kind, m
         )
         assert ours["input_ids"] == theirs["input_ids"]
         assert ours["labels"] == theirs["labels"]
+
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two numbers.", "parameters": {}}}]
+
+
+@pytest.mark.parametrize("kind", ["conversational", "conversational_prompt_completion"])
+@pytest.mark.parametrize("masked", [True, False])
+def test_a_row_s_tools_and_chat_template_kwargs_reach_the_template_as_in_trl(chat_tokenizers, tmp_path, kind, masked):
+    from tests.datamodules.conftest import QWEN_TEMPLATE
+
+    tokenizer = copy.deepcopy(chat_tokenizers["qwen"])
+    tokenizer.chat_template = (
+        "{%- if tools %}{{- '<|im_start|>system\\nTools: ' + (tools | map(attribute='function') | map(attribute='name')"
+        " | join(', ')) + '<|im_end|>\\n' }}{%- endif %}"
+        "{%- if brief %}{{- '<|im_start|>system\\nBe brief.<|im_end|>\\n' }}{%- endif %}" + QWEN_TEMPLATE
+    )
+    extras = [  # TRL's columns: tools as JSON text (or a list), chat_template_kwargs a dict
+        {"tools": json.dumps(TOOLS), "chat_template_kwargs": {"brief": True}},
+        {"tools": json.dumps(TOOLS), "chat_template_kwargs": {"brief": False}},
+    ]
+    if kind == "conversational":
+        rows = [{"messages": CONVERSATION, **extra} for extra in extras]
+    else:
+        rows = [{"prompt": CONVERSATION[:3], "completion": CONVERSATION[3:], **extra} for extra in extras]
+    dataset_format = "conversational" if kind == "conversational" else "prompt_completion"
+    expected = _trl_tokenized(tokenizer, rows, masked, masked, tmp_path)
+    for row, theirs in zip(rows, expected):
+        ours = tokenize_example(row, tokenizer, dataset_format, completion_only_loss=masked, assistant_only_loss=masked)
+        assert ours["input_ids"] == theirs["input_ids"]
+        assert ours["labels"] == theirs["labels"]
+    rendered = tokenizer.decode(tokenize_example(rows[0], tokenizer, dataset_format)["input_ids"])
+    assert rendered.startswith("<|im_start|>system\nTools: add<|im_end|>\n<|im_start|>system\nBe brief.")
 
 
 def test_strings_start_with_the_bos_the_tokenizer_adds(chat_tokenizers):
