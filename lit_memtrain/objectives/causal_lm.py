@@ -72,7 +72,8 @@ class CausalLMModule(LightningModule):
         loss_type: ``chunked`` (never materialises the logits) or ``nll`` (plain logits + cross-entropy).
         loss_chunk_size: rows per chunk of the chunked loss.
         router_aux_loss_coef: weight of a mixture-of-experts model's router load-balancing loss in the training
-            loss; ``None`` takes the model config's ``router_aux_loss_coef``, 0 turns it off.
+            loss; ``None`` takes the model's own (``router_aux_loss_coef``, JetMoE's ``aux_loss_coef``, DBRX's
+            ``moe_loss_weight``), 0 turns it off.
         learning_rate, weight_decay, betas: AdamW settings; no decay on biases and norm weights.
         warmup: warmup steps (int) or fraction of the total steps (float < 1), then cosine decay
             to ``min_lr_ratio * learning_rate``.
@@ -264,8 +265,8 @@ class CausalLMModule(LightningModule):
         return hidden.flatten(0, 1), weight.to(hidden.dtype), bias, router_logits
 
     def router_aux_weight(self) -> float:
-        """Weight of the router load-balancing loss: ``router_aux_loss_coef``, else the model config's; 0 for a
-        model without routers."""
+        """Weight of the router load-balancing loss: ``router_aux_loss_coef``, else the one the model's own forward
+        uses; 0 for a model without routers."""
         return router_aux_coefficient(self.model, self.hparams.router_aux_loss_coef)
 
     def compute_loss(self, batch: dict[str, Any], num_items: int | Tensor | None = None) -> Tensor:
