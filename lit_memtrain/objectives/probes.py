@@ -11,8 +11,11 @@ gradients, and either returns what it found or raises an error that says what to
   model's logits then show what it does after the head (``scale``, then ``softcap``), and the head's own
   input and output show that the chunked path's hidden states and weight are the ones the model uses.
 - :func:`probe_document_isolation`: two documents packed in one padding-free row must give the logits each
-  gives alone (a model without an LM head, such as a reward model, its decoder's last hidden states); attention
-  implementations this project's tests prove (:data:`PROVEN_DOCUMENT_ATTENTION`) skip it.
+  gives alone (a model without an LM head, such as a reward model, its decoder's last hidden states). Run for every
+  attention implementation but context parallelism's (:data:`UNPROBED_DOCUMENT_ATTENTION`): an attention that
+  keeps documents apart proves nothing of a model's other layers, and hybrid models (Mamba or linear-attention
+  layers: Falcon-H1, Bamba, Granite 4, Jamba, Nemotron-H, Qwen3-Next...), ALiBi models (BLOOM, MPT) and recurrent
+  ones carry one document's state into the next along a packed row under ``sdpa`` and ``eager`` too.
 
 :class:`SetupProbes` runs each once for a module and keeps the verdicts its loss reads.
 """
@@ -32,21 +35,21 @@ from torch import Tensor, nn
 from lit_memtrain.datamodules.batch import is_padding_free
 from lit_memtrain.models.lora import head_weight
 from lit_memtrain.parallel.context_parallel import ATTENTION_NAMES as CONTEXT_PARALLEL_ATTENTION
-from lit_memtrain.techniques.attention import SDPA_BY_DOCUMENT
 from lit_memtrain.techniques.lm_head import transform_logits
 
 __all__ = [
-    "PROVEN_DOCUMENT_ATTENTION",
+    "UNPROBED_DOCUMENT_ATTENTION",
     "LogitTransform",
     "SetupProbes",
     "probe_document_isolation",
     "probe_logit_transform",
 ]
 
-# Attention implementations whose padding-free rows equal per-document runs in this project's tests
-# (tests/objectives/test_causal_lm_padding_free.py, tests/techniques/test_attention.py); any other is probed once.
-# Context-parallel attention keeps documents apart by the row's bounds (tests/parallel/context_parallel).
-PROVEN_DOCUMENT_ATTENTION = frozenset({"eager", "sdpa", SDPA_BY_DOCUMENT, *CONTEXT_PARALLEL_ATTENTION.values()})
+# Context-parallel attention: each rank holds a shard of every row, so a whole row cannot run on one rank as the probe
+# needs; it keeps documents apart by the row's bounds (tests/parallel/context_parallel). Every other implementation
+# is probed once, with the model: "sdpa" and "eager" keep the attention of documents apart (this project's tests),
+# not the state a Mamba, linear-attention or convolution layer carries along the row.
+UNPROBED_DOCUMENT_ATTENTION = frozenset(CONTEXT_PARALLEL_ATTENTION.values())
 
 _PROBE_TOKENS = 8
 _DESIGNED_RANGE = 64.0  # head outputs from -64 to 64: large enough to show any cap, small ones show a scale
@@ -219,7 +222,8 @@ def probe_document_isolation(
         attn_implementation: named in the error.
 
     Raises:
-        ValueError: the packed logits differ, so documents attend to each other.
+        ValueError: the packed logits differ, so documents see each other (through the attention, or through
+            layers that carry state along the row).
     """
     documents = _probe_ids(model, _DOCUMENT_LENGTHS, _device(model))
     row = torch.cat(documents, dim=1)
@@ -242,10 +246,12 @@ def probe_document_isolation(
     full_precision = model.get_input_embeddings().weight.dtype in (torch.float32, torch.float64)
     if error > (1e-4 if full_precision else 5e-2):
         raise ValueError(
-            f"attn_implementation={attn_implementation!r} lets packed documents attend to each other: two "
-            f"documents packed in one padding-free row got logits {error:.2e} (relative) away from each "
-            "document run alone. Use 'sdpa_by_document', 'sdpa', 'eager' or a flash-attention kernel, or turn off "
-            "packing and padding_free."
+            f"attn_implementation={attn_implementation!r} lets packed documents attend to each other in "
+            f"{type(model).__name__}: two documents packed in one padding-free row got logits {error:.2e} (relative) "
+            "away from each document run alone. Either the attention ignores the documents' bounds (use "
+            "'sdpa_by_document', 'sdpa', 'eager' or a flash-attention kernel), or the model's other layers carry one "
+            "document's state into the next (Mamba, linear attention, convolutions, ALiBi), which no attention "
+            "setting changes: turn off packing and padding_free for this model."
         )
 
 
@@ -269,7 +275,7 @@ class SetupProbes:
         model_inputs: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ) -> None:
         """Probe what has not been yet: the logit transform for a ``chunked_loss``, and, for a padding-free
-        ``batch`` whose attention implementation is not in :data:`PROVEN_DOCUMENT_ATTENTION`, that it keeps packed
+        ``batch`` whose attention implementation is not in :data:`UNPROBED_DOCUMENT_ATTENTION`, that it keeps packed
         documents apart (with ``model_inputs``, the training step's own, see :func:`probe_document_isolation`).
 
         Raises:
@@ -282,7 +288,7 @@ class SetupProbes:
         if batch is None or not is_padding_free(batch):
             return
         name = model.config._attn_implementation
-        if name in PROVEN_DOCUMENT_ATTENTION or name == self.isolating_attention:
+        if name in UNPROBED_DOCUMENT_ATTENTION or name == self.isolating_attention:
             return
         probe_document_isolation(model, model_inputs, name)
         rank_zero_info(f"attn_implementation={name!r} keeps packed documents apart (probed at setup)")
