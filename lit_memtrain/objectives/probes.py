@@ -16,6 +16,9 @@ gradients, and either returns what it found or raises an error that says what to
   keeps documents apart proves nothing of a model's other layers, and hybrid models (Mamba or linear-attention
   layers: Falcon-H1, Bamba, Granite 4, Jamba, Nemotron-H, Qwen3-Next...), ALiBi models (BLOOM, MPT) and recurrent
   ones carry one document's state into the next along a packed row under ``sdpa`` and ``eager`` too.
+- :func:`probe_masked_packing`: a batch that carries an ``attention_mask`` must not hold packed documents
+  (``position_ids`` restarting inside its attended tokens): transformers then takes the rows as plain padded ones
+  and lets the documents attend to each other, as it tells no one.
 
 :class:`SetupProbes` runs each once for a module and keeps the verdicts its loss reads.
 """
@@ -43,6 +46,7 @@ __all__ = [
     "SetupProbes",
     "probe_document_isolation",
     "probe_logit_transform",
+    "probe_masked_packing",
 ]
 
 # Context-parallel attention: each rank holds a shard of every row, so a whole row cannot run on one rank as the probe
@@ -255,6 +259,36 @@ def probe_document_isolation(
         )
 
 
+def probe_masked_packing(batch: dict[str, Any]) -> None:
+    """Refuse a batch whose rows carry an ``attention_mask`` and packed documents.
+
+    Why: transformers keeps packed documents apart by the restarts of ``position_ids`` only when no
+    ``attention_mask`` is passed (``find_packed_sequence_indices``); a collator that adds one (even all ones)
+    to packed rows makes them plain padded rows, whose documents attend to each other, silently. Positions
+    that restart between two attended tokens of a row are such documents. Reads the batch's values (once: a
+    collator lays out every batch alike).
+
+    Raises:
+        ValueError: naming the row and the position where a document restarts under the mask.
+    """
+    mask, positions = batch.get("attention_mask"), batch.get("position_ids")
+    if not isinstance(mask, Tensor) or not isinstance(positions, Tensor) or mask.dim() != 2 or mask.shape[1] < 2:
+        return
+    attended = mask.bool()
+    positions = positions.expand(mask.shape)
+    restarts = attended[:, 1:] & attended[:, :-1] & (positions[:, 1:] != positions[:, :-1] + 1)
+    found = restarts.nonzero()
+    if found.numel():
+        row, column = found[0].tolist()
+        raise ValueError(
+            f"The batch carries an attention_mask and packed documents: in row {row} the position ids restart at "
+            f"token {column + 1} (from {int(positions[row, column])} to {int(positions[row, column + 1])}) between "
+            "two attended tokens. With an attention_mask transformers ignores the restarts and lets the documents "
+            "attend to each other. Give packed rows without attention_mask (PaddingFreeCollator, or "
+            "SFTDataModule(packing=True)), or one document per row with its mask."
+        )
+
+
 class SetupProbes:
     """The probes one module's training needs, each run once, and their verdicts.
 
@@ -266,6 +300,7 @@ class SetupProbes:
     def __init__(self) -> None:
         self.logit_transform: LogitTransform | None = None
         self.isolating_attention: str | None = None
+        self.batch_layout_checked = False
 
     def run(
         self,
@@ -274,7 +309,8 @@ class SetupProbes:
         batch: dict[str, Any] | None = None,
         model_inputs: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ) -> None:
-        """Probe what has not been yet: the logit transform for a ``chunked_loss``, and, for a padding-free
+        """Probe what has not been yet: the logit transform for a ``chunked_loss``, the first ``batch``'s layout
+        (:func:`probe_masked_packing`), and, for a padding-free
         ``batch`` whose attention implementation is not in :data:`UNPROBED_DOCUMENT_ATTENTION`, that it keeps packed
         documents apart (with ``model_inputs``, the training step's own, see :func:`probe_document_isolation`).
 
@@ -285,6 +321,9 @@ class SetupProbes:
             self.logit_transform = probe_logit_transform(model)
             if self.logit_transform != LogitTransform():
                 rank_zero_info(f"chunked loss: applying the model's logit transform {self.logit_transform}")
+        if batch is not None and not self.batch_layout_checked:
+            probe_masked_packing(batch)
+            self.batch_layout_checked = True
         if batch is None or not is_padding_free(batch):
             return
         name = model.config._attn_implementation
@@ -302,9 +341,11 @@ class SetupProbes:
 
         Args:
             logit_transform: what the chunked loss is to apply after the LM head (``LogitTransform()``: nothing).
-            document_attention: an attention implementation to take as keeping packed documents apart.
+            document_attention: an attention implementation to take as keeping packed documents apart (and the
+                batches' layout as checked: :func:`probe_masked_packing` reads values too).
         """
         if logit_transform is not None:
             self.logit_transform = logit_transform
         if document_attention is not None:
             self.isolating_attention = document_attention
+            self.batch_layout_checked = True

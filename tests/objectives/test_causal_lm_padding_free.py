@@ -118,6 +118,23 @@ def test_implementations_that_keep_documents_apart_pass_the_probe_once(attn, mon
     assert probed == [attn]
 
 
+def test_packed_rows_under_an_attention_mask_are_refused():
+    """A collator that adds an attention mask (all ones) to packed rows: transformers then ignores the restarts of
+    position_ids and the documents attend to each other (the loss moved from 6.2691 to 6.2733, silently)."""
+    torch.manual_seed(0)
+    module = CausalLMModule(preset="tiny-qwen3", attn_implementation="sdpa")
+    module.configure_model()
+    flat = PaddingFreeCollator(pad_token_id=0)(DOCS)
+    masked = {**flat, "attention_mask": torch.ones_like(flat["input_ids"])}
+    with pytest.raises(ValueError, match="in row 0 the position ids restart at token 6 .from 5 to 0."):
+        module.compute_loss(masked)
+    padded = PaddedCollator(0)(DOCS)  # one document a row, right-padded: positions continue under the mask
+    positions = torch.arange(padded["input_ids"].shape[1]).expand_as(padded["input_ids"])
+    fresh = CausalLMModule(preset="tiny-qwen3", attn_implementation="sdpa")
+    fresh.configure_model()
+    fresh.compute_loss({**padded, "position_ids": positions})
+
+
 @pytest.mark.parametrize("strategy", ["bfd", "bfd_split", "wrapped"])
 def test_datamodule_packs_after_truncation_and_batches_padding_free(strategy):
     plain = SFTDataModule(max_length=40)
