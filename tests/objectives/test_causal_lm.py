@@ -120,6 +120,20 @@ def test_a_yarn_override_that_drops_the_models_partial_rotary_factor_is_refused(
         _module(config_overrides={"rope_parameters": {"rope_type": "linear", "factor": 2.0}})
 
 
+def test_a_single_yarn_dict_for_a_model_with_rope_parameters_per_layer_type_is_refused():
+    """Gemma 3 keeps rope_parameters per layer type: given one YaRN dict, transformers kept each type's own and no
+    layer scaled its positions, silently."""
+    config = {"model_type": "gemma3_text", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 48,
+              "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+              "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
+    with pytest.raises(ValueError, match="keeps its rope_parameters per layer type .'sliding_attention', 'full_attent"):
+        CausalLMModule(config=config, model_init_kwargs={"rope_parameters": YARN}).configure_model()
+    per_type = {"full_attention": YARN, "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
+    module = CausalLMModule(config=config, model_init_kwargs={"rope_parameters": per_type})
+    module.configure_model()
+    assert module.model.model.rotary_emb.rope_type == {"full_attention": "yarn", "sliding_attention": "default"}
+
+
 def test_model_init_kwargs_reach_a_model_built_from_a_preset():
     module = _module(model_init_kwargs={"rope_parameters": YARN})
     assert module.model.config.rope_parameters == module.model.model.rotary_emb.config.rope_parameters
