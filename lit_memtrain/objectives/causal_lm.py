@@ -31,7 +31,7 @@ from lit_memtrain.models.moe import load_balancing_loss, router_aux_coefficient
 from lit_memtrain.objectives.checkpoint_files import save_to_first_writable
 from lit_memtrain.objectives.checkpoint_io import lit_memtrain_class_path, saved_vocabulary
 from lit_memtrain.objectives.optim import optimizer_and_schedule, plain_spec
-from lit_memtrain.objectives.probes import LogitTransform, SetupProbes
+from lit_memtrain.objectives.probes import LogitTransform, SetupProbes, check_no_extra_loss_terms
 from lit_memtrain.objectives.step_tokens import count_step_tokens_during_fit, micro_batch_mean
 from lit_memtrain.objectives.step_tokens import resume_scheduled_accumulation, step_trainable_tokens
 from lit_memtrain.objectives.throughput import ThroughputMeter, count_tokens
@@ -225,7 +225,9 @@ class CausalLMModule(LightningModule):
     def run_setup_probes(self, batch: dict[str, Any] | None = None) -> None:
         """Run, once each, the probes (:class:`~lit_memtrain.objectives.probes.SetupProbes`) this module's loss and
         ``batch`` need: in a ``Trainer``, at fit or validation start and at the first padding-free batch; called
-        directly, from the first :meth:`compute_loss` or :meth:`token_losses`."""
+        directly, from the first :meth:`compute_loss` or :meth:`token_losses`. A model whose own loss adds a term
+        this module does not compute is refused (:func:`~lit_memtrain.objectives.probes.check_no_extra_loss_terms`)."""
+        check_no_extra_loss_terms(self.model)
         self.setup_probes.run(self.model, self.hparams.loss_type == "chunked", batch, self._model_inputs)
 
     def on_fit_start(self) -> None:

@@ -19,6 +19,8 @@ gradients, and either returns what it found or raises an error that says what to
 - :func:`probe_masked_packing`: a batch that carries an ``attention_mask`` must not hold packed documents
   (``position_ids`` restarting inside its attended tokens): transformers then takes the rows as plain padded ones
   and lets the documents attend to each other, as it tells no one.
+- :func:`check_no_extra_loss_terms`: no term the model's own loss adds to the cross-entropy (Bamba's z-loss) that
+  the causal-LM step would leave out (a config check; the causal-LM module runs it).
 
 :class:`SetupProbes` runs each once for a module and keeps the verdicts its loss reads.
 """
@@ -44,6 +46,7 @@ __all__ = [
     "UNPROBED_DOCUMENT_ATTENTION",
     "LogitTransform",
     "SetupProbes",
+    "check_no_extra_loss_terms",
     "probe_document_isolation",
     "probe_logit_transform",
     "probe_masked_packing",
@@ -257,6 +260,32 @@ def probe_document_isolation(
             "document's state into the next (Mamba, linear attention, convolutions, ALiBi), which no attention "
             "setting changes: turn off packing and padding_free for this model."
         )
+
+
+_EXTRA_LOSS_COEFFICIENTS = ("z_loss_coefficient",)  # Bamba: + coefficient * mean(logsumexp(logits)^2), every position
+
+
+def check_no_extra_loss_terms(model: nn.Module) -> None:
+    """Refuse a model whose own loss adds a term to the cross-entropy (and the router load-balancing loss) that the
+    causal-LM training step does not compute.
+
+    Why: ``CausalLMModule`` computes the cross-entropy itself (chunked, or from the logits) rather than taking the
+    model's ``loss``; a term the model's forward adds after it, such as Bamba's logit z-loss when its
+    ``z_loss_coefficient`` is above 0, would be missing from the training loss, silently.
+
+    Raises:
+        ValueError: naming the setting and the override that turns it off.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = _text_config(model)
+    for name in _EXTRA_LOSS_COEFFICIENTS:
+        value = getattr(base, name, None) or getattr(config, name, None)
+        if value:
+            raise ValueError(
+                f"{type(base).__name__}'s own loss adds a term weighted by {name}={value} to the cross-entropy, which "
+                f"lit-memtrain's causal-LM loss does not compute: training would leave it out. Set "
+                f"config_overrides={{{name!r}: 0}} (or model_init_kwargs) to train on the cross-entropy alone."
+            )
 
 
 def probe_masked_packing(batch: dict[str, Any]) -> None:
