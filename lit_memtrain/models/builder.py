@@ -50,6 +50,7 @@ from lit_memtrain.models.lora import (
     quantization_config,
 )
 from lit_memtrain.models.presets import PRESETS, build_config
+from lit_memtrain.models.rope_override import check_rope_override
 
 __all__ = [
     "DTYPES",
@@ -221,6 +222,7 @@ def build_causal_lm(recipe: ModelRecipe, tokenizer: PreTrainedTokenizerBase | No
     (see :func:`causal_lm_config`); a reward recipe's model has a score head (:func:`auto_model_class`). The model
     is built where the caller's device context puts it.
     """
+    _check_rope_parameters(recipe)
     dtype = "auto" if recipe.dtype == "auto" else DTYPES[recipe.dtype]
     common = {"attn_implementation": recipe.attn_implementation, "trust_remote_code": recipe.trust_remote_code}
     if recipe.model:
@@ -237,6 +239,25 @@ def build_causal_lm(recipe: ModelRecipe, tokenizer: PreTrainedTokenizerBase | No
     model_config = config_for_task(causal_lm_config(recipe, tokenizer), recipe)
     dtype = torch.float32 if dtype == "auto" else dtype
     return auto_model_class(recipe).from_config(model_config, dtype=dtype, **common)
+
+
+def _check_rope_parameters(recipe: ModelRecipe) -> None:
+    """Refuse a ``rope_parameters`` override (``model_init_kwargs``, or a preset's ``config_overrides``) that drops
+    keys of the model's own (:func:`~lit_memtrain.models.rope_override.check_rope_override`): its config is read
+    without the override to compare."""
+    if recipe.model:
+        source, init_kwargs = pretrained_source(recipe)
+        override = init_kwargs.pop("rope_parameters", None)
+        if not isinstance(override, dict):
+            return
+        own = AutoConfig.from_pretrained(source, trust_remote_code=recipe.trust_remote_code, **init_kwargs)
+    else:
+        overrides = {**(recipe.config_overrides or {}), **recipe.model_init_kwargs}
+        override = overrides.pop("rope_parameters", None)
+        if not isinstance(override, dict):
+            return
+        own = build_config(recipe.preset or recipe.config, overrides)
+    check_rope_override(own, override)
 
 
 def causal_lm_config(
@@ -297,6 +318,7 @@ def build_causal_lm_skeleton(recipe: ModelRecipe, tokenizer: PreTrainedTokenizer
     if not recipe.model:
         with torch.device("meta"):
             return build_causal_lm(recipe, tokenizer)
+    _check_rope_parameters(recipe)
     config = config_for_task(causal_lm_config(recipe), recipe)
     dtype = DTYPES.get(recipe.dtype) or _config_dtype(config)
     with torch.device("meta"):

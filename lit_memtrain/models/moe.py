@@ -34,8 +34,9 @@ def has_router(model: nn.Module) -> bool:
 
 
 def router_aux_coefficient(model: nn.Module, override: float | None) -> float:
-    """The weight of the load-balancing loss: ``override`` when given, else the model config's
-    ``router_aux_loss_coef``; 0 for a model without routers.
+    """The weight of the load-balancing loss: ``override`` when given, else the one the model's own forward uses
+    (its ``router_aux_loss_coef`` or ``aux_loss_coef``, else its config's ``router_aux_loss_coef``); 0 for a model
+    without routers or without a load-balancing loss of its own.
 
     Raises:
         ValueError: a positive ``override`` for a model without routers, or a negative one.
@@ -51,7 +52,16 @@ def router_aux_coefficient(model: nn.Module, override: float | None) -> float:
         return 0.0
     if override is not None:
         return float(override)
-    return float(getattr(_text_config(model), "router_aux_loss_coef", 0.0) or 0.0)
+    # The weight the model's own forward adds the loss with: an attribute of the model, taken from its config under a
+    # name that varies (JetMoE's ``aux_loss_coef``, DBRX's ``ffn_config.moe_loss_weight``); the config's
+    # ``router_aux_loss_coef`` for a model that keeps none. Reading only that config name trained such models
+    # without their load-balancing loss, silently.
+    base, config = _base_model(model), _text_config(model)
+    for holder, name in ((base, "router_aux_loss_coef"), (base, "aux_loss_coef"), (config, "router_aux_loss_coef")):
+        value = getattr(holder, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return 0.0
 
 
 def load_balancing_loss(model: nn.Module, router_logits: tuple[Tensor, ...], attention_mask: Tensor | None) -> Tensor:

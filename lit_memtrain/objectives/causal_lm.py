@@ -31,8 +31,8 @@ from lit_memtrain.models.moe import load_balancing_loss, router_aux_coefficient
 from lit_memtrain.objectives.checkpoint_files import save_to_first_writable
 from lit_memtrain.objectives.checkpoint_io import lit_memtrain_class_path, saved_vocabulary
 from lit_memtrain.objectives.optim import optimizer_and_schedule, plain_spec
+from lit_memtrain.objectives.probes import LogitTransform, SetupProbes, check_no_extra_loss_terms
 from lit_memtrain.objectives.rng_state import every_ranks_rng_states, set_rng_states
-from lit_memtrain.objectives.probes import LogitTransform, SetupProbes
 from lit_memtrain.objectives.step_tokens import count_step_tokens_during_fit, micro_batch_mean
 from lit_memtrain.objectives.step_tokens import resume_scheduled_accumulation, step_trainable_tokens
 from lit_memtrain.objectives.throughput import ThroughputMeter, count_tokens
@@ -73,7 +73,8 @@ class CausalLMModule(LightningModule):
         loss_type: ``chunked`` (never materialises the logits) or ``nll`` (plain logits + cross-entropy).
         loss_chunk_size: rows per chunk of the chunked loss.
         router_aux_loss_coef: weight of a mixture-of-experts model's router load-balancing loss in the training
-            loss; ``None`` takes the model config's ``router_aux_loss_coef``, 0 turns it off.
+            loss; ``None`` takes the model's own (``router_aux_loss_coef``, JetMoE's ``aux_loss_coef``, DBRX's
+            ``moe_loss_weight``), 0 turns it off.
         learning_rate, weight_decay, betas: AdamW settings; no decay on biases and norm weights.
         warmup: warmup steps (int) or fraction of the total steps (float < 1), then cosine decay
             to ``min_lr_ratio * learning_rate``.
@@ -227,7 +228,9 @@ class CausalLMModule(LightningModule):
     def run_setup_probes(self, batch: dict[str, Any] | None = None) -> None:
         """Run, once each, the probes (:class:`~lit_memtrain.objectives.probes.SetupProbes`) this module's loss and
         ``batch`` need: in a ``Trainer``, at fit or validation start and at the first padding-free batch; called
-        directly, from the first :meth:`compute_loss` or :meth:`token_losses`."""
+        directly, from the first :meth:`compute_loss` or :meth:`token_losses`. A model whose own loss adds a term
+        this module does not compute is refused (:func:`~lit_memtrain.objectives.probes.check_no_extra_loss_terms`)."""
+        check_no_extra_loss_terms(self.model)
         self.setup_probes.run(self.model, self.hparams.loss_type == "chunked", batch, self._model_inputs)
 
     def on_fit_start(self) -> None:
@@ -267,8 +270,8 @@ class CausalLMModule(LightningModule):
         return hidden.flatten(0, 1), weight.to(hidden.dtype), bias, router_logits
 
     def router_aux_weight(self) -> float:
-        """Weight of the router load-balancing loss: ``router_aux_loss_coef``, else the model config's; 0 for a
-        model without routers."""
+        """Weight of the router load-balancing loss: ``router_aux_loss_coef``, else the one the model's own forward
+        uses; 0 for a model without routers."""
         return router_aux_coefficient(self.model, self.hparams.router_aux_loss_coef)
 
     def compute_loss(self, batch: dict[str, Any], num_items: int | Tensor | None = None) -> Tensor:

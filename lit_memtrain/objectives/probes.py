@@ -11,8 +11,16 @@ gradients, and either returns what it found or raises an error that says what to
   model's logits then show what it does after the head (``scale``, then ``softcap``), and the head's own
   input and output show that the chunked path's hidden states and weight are the ones the model uses.
 - :func:`probe_document_isolation`: two documents packed in one padding-free row must give the logits each
-  gives alone (a model without an LM head, such as a reward model, its decoder's last hidden states); attention
-  implementations this project's tests prove (:data:`PROVEN_DOCUMENT_ATTENTION`) skip it.
+  gives alone (a model without an LM head, such as a reward model, its decoder's last hidden states). Run for every
+  attention implementation but context parallelism's (:data:`UNPROBED_DOCUMENT_ATTENTION`): an attention that
+  keeps documents apart proves nothing of a model's other layers, and hybrid models (Mamba or linear-attention
+  layers: Falcon-H1, Bamba, Granite 4, Jamba, Nemotron-H, Qwen3-Next...), ALiBi models (BLOOM, MPT) and recurrent
+  ones carry one document's state into the next along a packed row under ``sdpa`` and ``eager`` too.
+- :func:`probe_masked_packing`: a batch that carries an ``attention_mask`` must not hold packed documents
+  (``position_ids`` restarting inside its attended tokens): transformers then takes the rows as plain padded ones
+  and lets the documents attend to each other, as it tells no one.
+- :func:`check_no_extra_loss_terms`: no term the model's own loss adds to the cross-entropy (Bamba's z-loss) that
+  the causal-LM step would leave out (a config check; the causal-LM module runs it).
 
 :class:`SetupProbes` runs each once for a module and keeps the verdicts its loss reads.
 """
@@ -32,21 +40,23 @@ from torch import Tensor, nn
 from lit_memtrain.datamodules.batch import is_padding_free
 from lit_memtrain.models.lora import head_weight
 from lit_memtrain.parallel.context_parallel import ATTENTION_NAMES as CONTEXT_PARALLEL_ATTENTION
-from lit_memtrain.techniques.attention import SDPA_BY_DOCUMENT
 from lit_memtrain.techniques.lm_head import transform_logits
 
 __all__ = [
-    "PROVEN_DOCUMENT_ATTENTION",
+    "UNPROBED_DOCUMENT_ATTENTION",
     "LogitTransform",
     "SetupProbes",
+    "check_no_extra_loss_terms",
     "probe_document_isolation",
     "probe_logit_transform",
+    "probe_masked_packing",
 ]
 
-# Attention implementations whose padding-free rows equal per-document runs in this project's tests
-# (tests/objectives/test_causal_lm_padding_free.py, tests/techniques/test_attention.py); any other is probed once.
-# Context-parallel attention keeps documents apart by the row's bounds (tests/parallel/context_parallel).
-PROVEN_DOCUMENT_ATTENTION = frozenset({"eager", "sdpa", SDPA_BY_DOCUMENT, *CONTEXT_PARALLEL_ATTENTION.values()})
+# Context-parallel attention: each rank holds a shard of every row, so a whole row cannot run on one rank as the probe
+# needs; it keeps documents apart by the row's bounds (tests/parallel/context_parallel). Every other implementation
+# is probed once, with the model: "sdpa" and "eager" keep the attention of documents apart (this project's tests),
+# not the state a Mamba, linear-attention or convolution layer carries along the row.
+UNPROBED_DOCUMENT_ATTENTION = frozenset(CONTEXT_PARALLEL_ATTENTION.values())
 
 _PROBE_TOKENS = 8
 _DESIGNED_RANGE = 64.0  # head outputs from -64 to 64: large enough to show any cap, small ones show a scale
@@ -219,7 +229,8 @@ def probe_document_isolation(
         attn_implementation: named in the error.
 
     Raises:
-        ValueError: the packed logits differ, so documents attend to each other.
+        ValueError: the packed logits differ, so documents see each other (through the attention, or through
+            layers that carry state along the row).
     """
     documents = _probe_ids(model, _DOCUMENT_LENGTHS, _device(model))
     row = torch.cat(documents, dim=1)
@@ -242,10 +253,68 @@ def probe_document_isolation(
     full_precision = model.get_input_embeddings().weight.dtype in (torch.float32, torch.float64)
     if error > (1e-4 if full_precision else 5e-2):
         raise ValueError(
-            f"attn_implementation={attn_implementation!r} lets packed documents attend to each other: two "
-            f"documents packed in one padding-free row got logits {error:.2e} (relative) away from each "
-            "document run alone. Use 'sdpa_by_document', 'sdpa', 'eager' or a flash-attention kernel, or turn off "
-            "packing and padding_free."
+            f"attn_implementation={attn_implementation!r} lets packed documents attend to each other in "
+            f"{type(model).__name__}: two documents packed in one padding-free row got logits {error:.2e} (relative) "
+            "away from each document run alone. Either the attention ignores the documents' bounds (use "
+            "'sdpa_by_document', 'sdpa', 'eager' or a flash-attention kernel), or the model's other layers carry one "
+            "document's state into the next (Mamba, linear attention, convolutions, ALiBi), which no attention "
+            "setting changes: turn off packing and padding_free for this model."
+        )
+
+
+_EXTRA_LOSS_COEFFICIENTS = ("z_loss_coefficient",)  # Bamba: + coefficient * mean(logsumexp(logits)^2), every position
+
+
+def check_no_extra_loss_terms(model: nn.Module) -> None:
+    """Refuse a model whose own loss adds a term to the cross-entropy (and the router load-balancing loss) that the
+    causal-LM training step does not compute.
+
+    Why: ``CausalLMModule`` computes the cross-entropy itself (chunked, or from the logits) rather than taking the
+    model's ``loss``; a term the model's forward adds after it, such as Bamba's logit z-loss when its
+    ``z_loss_coefficient`` is above 0, would be missing from the training loss, silently.
+
+    Raises:
+        ValueError: naming the setting and the override that turns it off.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = _text_config(model)
+    for name in _EXTRA_LOSS_COEFFICIENTS:
+        value = getattr(base, name, None) or getattr(config, name, None)
+        if value:
+            raise ValueError(
+                f"{type(base).__name__}'s own loss adds a term weighted by {name}={value} to the cross-entropy, which "
+                f"lit-memtrain's causal-LM loss does not compute: training would leave it out. Set "
+                f"config_overrides={{{name!r}: 0}} (or model_init_kwargs) to train on the cross-entropy alone."
+            )
+
+
+def probe_masked_packing(batch: dict[str, Any]) -> None:
+    """Refuse a batch whose rows carry an ``attention_mask`` and packed documents.
+
+    Why: transformers keeps packed documents apart by the restarts of ``position_ids`` only when no
+    ``attention_mask`` is passed (``find_packed_sequence_indices``); a collator that adds one (even all ones)
+    to packed rows makes them plain padded rows, whose documents attend to each other, silently. Positions
+    that restart between two attended tokens of a row are such documents. Reads the batch's values (once: a
+    collator lays out every batch alike).
+
+    Raises:
+        ValueError: naming the row and the position where a document restarts under the mask.
+    """
+    mask, positions = batch.get("attention_mask"), batch.get("position_ids")
+    if not isinstance(mask, Tensor) or not isinstance(positions, Tensor) or mask.dim() != 2 or mask.shape[1] < 2:
+        return
+    attended = mask.bool()
+    positions = positions.expand(mask.shape)
+    restarts = attended[:, 1:] & attended[:, :-1] & (positions[:, 1:] != positions[:, :-1] + 1)
+    found = restarts.nonzero()
+    if found.numel():
+        row, column = found[0].tolist()
+        raise ValueError(
+            f"The batch carries an attention_mask and packed documents: in row {row} the position ids restart at "
+            f"token {column + 1} (from {int(positions[row, column])} to {int(positions[row, column + 1])}) between "
+            "two attended tokens. With an attention_mask transformers ignores the restarts and lets the documents "
+            "attend to each other. Give packed rows without attention_mask (PaddingFreeCollator, or "
+            "SFTDataModule(packing=True)), or one document per row with its mask."
         )
 
 
@@ -260,6 +329,7 @@ class SetupProbes:
     def __init__(self) -> None:
         self.logit_transform: LogitTransform | None = None
         self.isolating_attention: str | None = None
+        self.batch_layout_checked = False
 
     def run(
         self,
@@ -268,8 +338,9 @@ class SetupProbes:
         batch: dict[str, Any] | None = None,
         model_inputs: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ) -> None:
-        """Probe what has not been yet: the logit transform for a ``chunked_loss``, and, for a padding-free
-        ``batch`` whose attention implementation is not in :data:`PROVEN_DOCUMENT_ATTENTION`, that it keeps packed
+        """Probe what has not been yet: the logit transform for a ``chunked_loss``, the first ``batch``'s layout
+        (:func:`probe_masked_packing`), and, for a padding-free
+        ``batch`` whose attention implementation is not in :data:`UNPROBED_DOCUMENT_ATTENTION`, that it keeps packed
         documents apart (with ``model_inputs``, the training step's own, see :func:`probe_document_isolation`).
 
         Raises:
@@ -279,10 +350,13 @@ class SetupProbes:
             self.logit_transform = probe_logit_transform(model)
             if self.logit_transform != LogitTransform():
                 rank_zero_info(f"chunked loss: applying the model's logit transform {self.logit_transform}")
+        if batch is not None and not self.batch_layout_checked:
+            probe_masked_packing(batch)
+            self.batch_layout_checked = True
         if batch is None or not is_padding_free(batch):
             return
         name = model.config._attn_implementation
-        if name in PROVEN_DOCUMENT_ATTENTION or name == self.isolating_attention:
+        if name in UNPROBED_DOCUMENT_ATTENTION or name == self.isolating_attention:
             return
         probe_document_isolation(model, model_inputs, name)
         rank_zero_info(f"attn_implementation={name!r} keeps packed documents apart (probed at setup)")
@@ -296,9 +370,11 @@ class SetupProbes:
 
         Args:
             logit_transform: what the chunked loss is to apply after the LM head (``LogitTransform()``: nothing).
-            document_attention: an attention implementation to take as keeping packed documents apart.
+            document_attention: an attention implementation to take as keeping packed documents apart (and the
+                batches' layout as checked: :func:`probe_masked_packing` reads values too).
         """
         if logit_transform is not None:
             self.logit_transform = logit_transform
         if document_attention is not None:
             self.isolating_attention = document_attention
+            self.batch_layout_checked = True

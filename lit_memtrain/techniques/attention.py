@@ -18,7 +18,8 @@ the bounds from it rather than from the device, saving a sync per layer.
 Only plain causal attention is split by document. Anything else gets transformers' sdpa mask and is handed
 to transformers' own ``sdpa`` unchanged: padded batches, generation with a KV cache, sliding-window,
 chunked, bidirectional or prefix (blockwise) attention, custom mask functions, and callers that ask for a
-materialised mask. Models that need extra attention arguments (``softcap``, attention sinks) are refused.
+materialised mask. Models that need extra attention arguments (``softcap``, attention sinks) are refused, on
+every path (transformers' sdpa would drop the sinks silently).
 Registered with transformers when ``lit_memtrain`` is imported.
 
 ``attn_implementation="varlen_by_document"`` is the same with one kernel per row on CUDA: torch's
@@ -72,17 +73,21 @@ def sdpa_by_document(
 ) -> tuple[Tensor, None]:
     """Causal attention within each document of each row; ``query`` is [B, heads, L, head_dim]. With ``varlen``
     (:data:`varlen_by_document`), every document of a row goes through one ``varlen_attn`` call where it can run."""
+    # Checked before any call goes to transformers' sdpa (padded rows, sliding windows...), which drops attention
+    # sinks (``s_aux``) without a word: a model with sinks that supports no sdpa (GPT-OSS) still takes
+    # ``varlen_by_document``, whose name transformers does not check, and its padded batches lost their sinks.
+    unsupported = [name for name in _UNSUPPORTED_KWARGS if kwargs.get(name) is not None]
+    if unsupported:
+        name = VARLEN_BY_DOCUMENT if varlen else SDPA_BY_DOCUMENT
+        raise ValueError(
+            f"attn_implementation={name!r} does not support {', '.join(unsupported)} (set by "
+            f"{type(module).__name__}); use 'eager' or a flash-attention kernel for this model."
+        )
     document_ids = attention_mask if _is_document_ids(attention_mask, query) else None
     causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
     if (attention_mask is not None and document_ids is None) or query.shape[2] != key.shape[2] or not causal:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
-        )
-    unsupported = [name for name in _UNSUPPORTED_KWARGS if kwargs.get(name) is not None]
-    if unsupported:
-        raise ValueError(
-            f"attn_implementation={SDPA_BY_DOCUMENT!r} does not support {', '.join(unsupported)} (set by "
-            f"{type(module).__name__}); use 'sdpa' or a flash-attention kernel for this model."
         )
     bounds = _document_bounds(query, document_ids, kwargs.get("cu_seq_lens_q"))
     if all(len(row_bounds) == 2 for row_bounds in bounds):  # one document per row: one call for the batch

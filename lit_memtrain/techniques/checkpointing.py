@@ -8,7 +8,8 @@ recomputes the rest in backward. At long context that is the difference between 
 Variants:
 - *selective*: also keep the outputs of the attention kernel (SDPA flash / efficient / cuDNN, the CPU flash
   kernel, flash-attn) so backward recomputes the cheap element-wise and matmul parts but not attention,
-  the part whose cost grows as L^2. Price per layer: the attention output ([B, L, heads x head_dim] in the
+  the part whose cost grows as L^2. Not a call with attention dropout: it is recomputed, so that the random
+  numbers of the layer are drawn in backward as in forward. Price per layer: the attention output ([B, L, heads x head_dim] in the
   activation dtype; ``heads x head_dim`` is not always the hidden size, 4096 vs 2560 for Qwen3-4B) plus its
   fp32 log-sum-exp ([B, heads, L]).
 - *offload*: each layer's checkpointed input is held in host memory (pinned on CUDA) from the forward to
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import save_on_cpu
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lit_memtrain.models.layers import wrap_forwards
 
@@ -61,10 +62,38 @@ def attention_ops() -> list[torch._ops.OpOverload]:
     return ops
 
 
+def _draws_random_numbers(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether this call of an attention kernel applies dropout (a ``dropout_p`` above 0, read by the op's schema)."""
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.name == "dropout_p":
+            value = kwargs.get("dropout_p", args[index] if index < len(args) else argument.default_value)
+            return bool(value)
+    return False
+
+
+def _keeps_deterministic(ops: list[torch._ops.OpOverload]) -> Callable[..., CheckpointPolicy]:
+    """The selective policy: keep the outputs of ``ops``, but not of a call that applies dropout.
+
+    Why: a kept op does not run again when backward recomputes the layer, so the random numbers it drew in forward
+    are not drawn again, and every later random op of the layer (the residual or LoRA dropout after attention) draws
+    from another point of the generator than in forward: other masks, gradients of another function than the loss,
+    silently (CUDA's flash, memory-efficient and cuDNN kernels apply attention dropout themselves). Recomputed, the
+    attention redraws its own mask from the restored generator, as full checkpointing does.
+    """
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if func in ops and not _draws_random_numbers(func, args, kwargs):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
 def _checkpointed(forward: Callable[..., Any], *, selective: bool, offload: bool) -> Callable[..., Any]:
     options: dict[str, Any] = {"use_reentrant": False}
     if selective:
-        options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, attention_ops())
+        policy = _keeps_deterministic(attention_ops())
+        options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
     pin_memory = torch.cuda.is_available()
 
     @functools.wraps(forward)

@@ -17,9 +17,9 @@ may pick another reduction order for another shape: fp32 rounding of the mean). 
 autograd applies to those operations, in fp32; the weight's gradient is summed over chunks in fp32 (autograd
 sums it in the gradient's dtype), within the gradient dtype's rounding of autograd's.
 :func:`apply_chunked_rms_norm` replaces only norms it can prove compute this: a ``variance_epsilon`` float,
-a 1-D ``weight``, and a probe comparing the module's own output with the chunked one on a few tokens, in fp32
-and in the weight's dtype, for equality. Others (Gemma's ``1 + weight``, a weight applied in fp32) are left as
-they are and named.
+a 1-D ``weight``, and a probe comparing the module's own output with the chunked one on a few tokens, for equality,
+in every precision a run may compute it in (mixed precision's half inputs with an fp32 weight included). Others
+(Gemma's ``1 + weight``, a weight applied in fp32) are left as they are and named.
 
 Two hooks serve the memory planner (:mod:`lit_memtrain.planner.simulate`), which runs this code on fake tensors:
 :func:`selected_chunks` runs only some chunks (each frees its temporaries before the next, so a few give the peak
@@ -151,8 +151,12 @@ def chunked_rms_norm(x: Tensor, weight: Tensor, eps: float, chunk_elements: int 
 def probe_rms_norm(norm: nn.Module) -> str | None:
     """Why ``norm`` cannot be replaced by :func:`chunked_rms_norm`, or ``None`` when it computes the same.
 
-    Runs the module's own forward and the chunked one on a few tokens with a known weight (in fp32 and in the
-    weight's dtype), on the CPU, without gradients, and requires equal outputs.
+    Runs the module's own forward and the chunked one on a few tokens with a known weight, on the CPU, without
+    gradients, and requires equal outputs (values and dtype) in every precision a run may compute it in, which the
+    probe does not know: fp32, the weight's dtype, bf16 and fp16 (weights and inputs), and bf16 and fp16 inputs
+    with an fp32 weight (``bf16-mixed`` keeps the weights fp32 and makes the activations half). A norm that
+    applies its weight in fp32 before casting back (OLMo 2's, GPT-OSS's) computes the same as the chunked one on
+    fp32 inputs only, and is refused.
     """
     eps, weight = getattr(norm, "variance_epsilon", None), getattr(norm, "weight", None)
     if not isinstance(eps, float) or not isinstance(weight, Tensor) or weight.dim() != 1:
@@ -161,15 +165,19 @@ def probe_rms_norm(norm: nn.Module) -> str | None:
     generator = torch.Generator().manual_seed(0)
     probe_weight = 1.0 + 0.5 * torch.randn(hidden, generator=generator)
     x = 3.0 * torch.randn(2, _PROBE_TOKENS, hidden, generator=generator)
-    for dtype in dict.fromkeys((torch.float32, weight.dtype)):
-        if not dtype.is_floating_point:
-            return f"its weight is {weight.dtype}"
-        probe_w, probe_x = probe_weight.to(dtype), x.to(dtype)
+    if not weight.dtype.is_floating_point:
+        return f"its weight is {weight.dtype}"
+    half = (torch.bfloat16, torch.float16)
+    mixed = [(dtype, torch.float32) for dtype in half]
+    cases = dict.fromkeys([(torch.float32, torch.float32), *mixed, (weight.dtype, weight.dtype), *((d, d) for d in half)])
+    for x_dtype, w_dtype in cases:
+        probe_w, probe_x = probe_weight.to(w_dtype), x.to(x_dtype)
         with torch.no_grad():
             expected = torch.func.functional_call(norm, {"weight": probe_w}, (probe_x,), strict=False)
             found = chunked_rms_norm(probe_x, probe_w, eps, chunk_elements=hidden * 3)
         if not isinstance(expected, Tensor) or expected.dtype != found.dtype or not torch.equal(expected, found):
-            return f"its output differs from weight * (x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype) in {dtype}"
+            where = f"in {x_dtype}" if x_dtype == w_dtype else f"on {x_dtype} inputs with a {w_dtype} weight"
+            return f"its output differs from weight * (x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype) {where}"
     return None
 
 

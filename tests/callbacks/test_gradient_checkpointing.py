@@ -246,3 +246,72 @@ def test_invalid_arguments_are_refused(kwargs, error, message):
     with pytest.raises(error, match=message):
         GradientCheckpointing(**kwargs)
 
+
+
+_ATTENTION_CALLS: list[float] = []
+
+
+@torch.library.custom_op("lit_memtrain_tests::attention_with_dropout", mutates_args=())
+def _attention_with_dropout(x: torch.Tensor, dropout_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stands in for CUDA's attention kernels that apply dropout themselves (the CPU's do not): draws its mask from
+    the generator inside the op."""
+    _ATTENTION_CALLS.append(dropout_p)
+    if dropout_p == 0:  # no dropout, no random numbers drawn (as the real kernels)
+        return x.softmax(-1), torch.ones_like(x)
+    mask = (torch.rand_like(x) >= dropout_p).to(x.dtype) / (1 - dropout_p)
+    return x.softmax(-1) * mask, mask
+
+
+@_attention_with_dropout.register_fake
+def _(x, dropout_p):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+def _attention_backward(ctx, grad, _):
+    (probs, mask) = ctx.saved_tensors
+    grad = grad * mask
+    return probs * (grad - (grad * probs).sum(-1, keepdim=True)), None
+
+
+_attention_with_dropout.register_autograd(
+    _attention_backward, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(inputs[0].softmax(-1), output[1])
+)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_selective_checkpointing_keeps_no_attention_that_draws_random_numbers(dropout_p, monkeypatch):
+    """A kept attention op does not run again in the recomputation, so the random numbers it drew were not drawn
+    again and the residual dropout after it drew other masks in backward than in forward: gradients of another
+    function than the loss (CUDA's attention kernels with dropout). Kept only without dropout."""
+    import lit_memtrain.techniques.checkpointing as checkpointing
+
+    op = torch.ops.lit_memtrain_tests.attention_with_dropout.default
+    monkeypatch.setattr(checkpointing, "attention_ops", lambda: [op])
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            attended, _ = torch.ops.lit_memtrain_tests.attention_with_dropout(self.proj(x), dropout_p)
+            return x + torch.nn.functional.dropout(self.proj(attended), 0.5, training=True)
+
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList([Layer(), Layer()])
+    x = torch.randn(4, 16)
+
+    def gradients() -> list[torch.Tensor]:
+        layers.zero_grad()
+        torch.manual_seed(1)
+        layers[1](layers[0](x)).square().sum().backward()
+        return [p.grad.clone() for p in layers.parameters()]
+
+    expected = gradients()
+    restore = apply_checkpointing(layers, selective=True)
+    _ATTENTION_CALLS.clear()
+    got = gradients()
+    restore()
+    assert_each_equal_up_to_rounding(dict(zip([n for n, _ in layers.named_parameters()], got)),
+                                     dict(zip([n for n, _ in layers.named_parameters()], expected)), terms=64)
+    assert len(_ATTENTION_CALLS) == (2 if dropout_p == 0 else 4)  # kept without dropout, recomputed with it

@@ -171,3 +171,28 @@ def test_the_probe_runs_once_at_fit_start(tmp_path, monkeypatch):
     trainer = Trainer(max_steps=2, logger=False, enable_progress_bar=False, enable_checkpointing=False, default_root_dir=tmp_path)
     trainer.fit(module, loader, loader)
     assert calls == [module.model]
+
+
+def test_a_model_whose_own_loss_adds_a_z_loss_is_refused_naming_the_setting():
+    """Bamba's own loss adds z_loss_coefficient * mean(logsumexp(logits)^2); the module computes the cross-entropy
+    itself and left the term out, silently."""
+    config = {"model_type": "bamba", **TINY, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 8,
+              "attn_layer_indices": [1]}  # fmt: skip
+    batch = _batch()
+    for loss_type in ("chunked", "nll"):
+        torch.manual_seed(0)
+        module = CausalLMModule(config={**config, "z_loss_coefficient": 0.1}, loss_type=loss_type)
+        module.configure_model()
+        own = module.model(**batch, use_cache=False).loss
+        cross_entropy = module.model(**batch, use_cache=False).logits  # the module's loss would be this alone
+        assert own.item() > torch.nn.functional.cross_entropy(
+            cross_entropy[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten()
+        ).item() + 1
+        with pytest.raises(ValueError, match=r"z_loss_coefficient=0.1 .* config_overrides=\{'z_loss_coefficient': 0\}"):
+            module.compute_loss(batch)
+    torch.manual_seed(0)
+    module = CausalLMModule(config=config)
+    module.configure_model()
+    assert_equal_up_to_rounding(
+        module.compute_loss(batch), module.model(**batch, use_cache=False).loss, name="loss", terms=TINY_MODEL_TERMS
+    )

@@ -60,6 +60,16 @@ def _models_own_loss_and_grads(module: CausalLMModule, batch: dict[str, torch.Te
     return loss.detach(), grads
 
 
+def _assert_the_models_own_loss_and_grads(module: CausalLMModule, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Assert the module's training loss and gradients are the model's own (with the load-balancing loss)."""
+    expected_loss, expected_grads = _models_own_loss_and_grads(module, batch)
+    loss = module.compute_loss(batch)
+    loss.backward()
+    assert_equal_up_to_rounding(loss, expected_loss, name="loss", terms=TINY_MODEL_TERMS)
+    assert_each_equal_up_to_rounding(_grads(module.model), expected_grads, terms=TINY_MODEL_TERMS)
+    return loss
+
+
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("loss_type", ["chunked", "nll"])
 @pytest.mark.parametrize("name", sorted(MOE))
@@ -71,11 +81,7 @@ def test_the_training_loss_is_the_models_own_loss_with_the_load_balancing_loss(n
         batch = PaddedCollator(pad_token_id=0)(examples)
     else:
         batch = _batch()
-    expected_loss, expected_grads = _models_own_loss_and_grads(module, batch)
-    loss = module.compute_loss(batch)
-    loss.backward()
-    assert_equal_up_to_rounding(loss, expected_loss, name="loss", terms=TINY_MODEL_TERMS)
-    assert_each_equal_up_to_rounding(_grads(module.model), expected_grads, terms=TINY_MODEL_TERMS)
+    loss = _assert_the_models_own_loss_and_grads(module, batch)
     cross_entropy_only = module.model(**batch, output_router_logits=False, use_cache=False).loss
     assert loss.item() - cross_entropy_only.item() > 0.5  # 0.5 x a load-balancing loss of about 2
 
@@ -163,3 +169,31 @@ def test_an_experts_layout_it_cannot_tile_is_refused_naming_the_layer():
 
     with pytest.raises(ValueError, match=r"Decoder layer 1 \(Layer\) has a mixture-of-experts 'mlp' \(SparseMoeBlock\)"):
         apply_tiled_mlp([Layer(sparse=False), Layer(sparse=True)])
+
+
+# Models whose own forward weighs the load-balancing loss by a coefficient under another name than the config's
+# router_aux_loss_coef (which they lack): JetMoE's aux_loss_coef, DBRX's ffn_config.moe_loss_weight.
+OTHER_COEFFICIENT_NAMES = {
+    "jetmoe": {
+        "model_type": "jetmoe", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+        "num_key_value_heads": 2, "kv_channels": 8, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "aux_loss_coef": 0.5, "output_router_logits": True,
+    },
+    "dbrx": {
+        "model_type": "dbrx", "vocab_size": 96, "d_model": 32, "n_heads": 4, "n_layers": 2, "max_seq_len": 64,
+        "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        "ffn_config": {"ffn_hidden_size": 48, "moe_num_experts": 4, "moe_top_k": 2, "moe_loss_weight": 0.5},
+        "output_router_logits": True,
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("loss_type", ["chunked", "nll"])
+@pytest.mark.parametrize("name", sorted(OTHER_COEFFICIENT_NAMES))
+def test_a_coefficient_under_the_models_own_name_is_the_one_trained_with(name, loss_type):
+    torch.manual_seed(0)
+    module = CausalLMModule(config=OTHER_COEFFICIENT_NAMES[name], loss_type=loss_type, attn_implementation="eager")
+    module.configure_model()
+    assert not hasattr(module.model.config, "router_aux_loss_coef")
+    assert module.router_aux_weight() == 0.5
+    _assert_the_models_own_loss_and_grads(module, _batch())

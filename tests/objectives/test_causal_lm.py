@@ -96,6 +96,44 @@ def test_loads_a_local_pretrained_model_with_yarn_rope(tmp_path):
     assert not torch.allclose(rotary_plain.inv_freq, rotary_yarn.inv_freq)
 
 
+def test_a_yarn_override_that_drops_the_models_partial_rotary_factor_is_refused(tmp_path):
+    """transformers replaces rope_parameters whole: GLM's partial_rotary_factor (0.5) left out of the YaRN dict made
+    every head dimension rotate (GLM reads the key with a default of 1.0), another model, silently."""
+    config = {"model_type": "glm", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 48,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+              "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
+    base = CausalLMModule(config=config)
+    base.configure_model()
+    base.model.save_pretrained(tmp_path / "glm")
+    own = base.model.config.rope_parameters
+    assert own["partial_rotary_factor"] == 0.5
+    yarn = {"rope_type": "yarn", "rope_theta": own["rope_theta"], "factor": 4.0, "original_max_position_embeddings": 16}
+    for source in ({"model": str(tmp_path / "glm")}, {"config": config}):
+        with pytest.raises(ValueError, match=r"leaves out partial_rotary_factor=0\.5, which the model was trained"):
+            CausalLMModule(**source, model_init_kwargs={"rope_parameters": yarn}).configure_model()
+    kept = CausalLMModule(model=str(tmp_path / "glm"), model_init_kwargs={"rope_parameters": {**yarn, **own, **yarn}})
+    kept.configure_model()
+    assert kept.model.config.rope_parameters["rope_type"] == "yarn"
+    rotary, own_rotary = kept.model.model.rotary_emb, base.model.model.rotary_emb
+    assert rotary.inv_freq.shape == own_rotary.inv_freq.shape == (2,)  # half of head_dim 8 rotates: 2 frequencies
+    with pytest.raises(ValueError, match=r"leaves out rope_theta=1000000\.0"):
+        _module(config_overrides={"rope_parameters": {"rope_type": "linear", "factor": 2.0}})
+
+
+def test_a_single_yarn_dict_for_a_model_with_rope_parameters_per_layer_type_is_refused():
+    """Gemma 3 keeps rope_parameters per layer type: given one YaRN dict, transformers kept each type's own and no
+    layer scaled its positions, silently."""
+    config = {"model_type": "gemma3_text", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 48,
+              "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+              "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
+    with pytest.raises(ValueError, match="keeps its rope_parameters per layer type .'sliding_attention', 'full_attent"):
+        CausalLMModule(config=config, model_init_kwargs={"rope_parameters": YARN}).configure_model()
+    per_type = {"full_attention": YARN, "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
+    module = CausalLMModule(config=config, model_init_kwargs={"rope_parameters": per_type})
+    module.configure_model()
+    assert module.model.model.rotary_emb.rope_type == {"full_attention": "yarn", "sliding_attention": "default"}
+
+
 def test_model_init_kwargs_reach_a_model_built_from_a_preset():
     module = _module(model_init_kwargs={"rope_parameters": YARN})
     assert module.model.config.rope_parameters == module.model.model.rotary_emb.config.rope_parameters

@@ -86,14 +86,53 @@ def test_a_packed_fit_with_a_leaking_implementation_stops_before_training(tmp_pa
     assert trainer.global_step == 0 and module.first_train_loss is None
 
 
+HYBRID = {"model_type": "bamba", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 8,
+          "attn_layer_indices": [1], "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager", "sdpa_by_document"])
-def test_implementations_proven_by_tests_skip_the_probe(attn, monkeypatch):
+def test_a_hybrid_model_whose_mamba_layers_carry_state_across_documents_is_refused(attn):
+    """Bamba's attention keeps packed documents apart under sdpa, eager and sdpa_by_document, but its Mamba layer
+    carries the first document's state into the second: these implementations skipped the probe and such packed
+    rows trained on logits 0.1 (relative) away from each document's own, silently."""
+    torch.manual_seed(0)
+    module = CausalLMModule(config=HYBRID, attn_implementation=attn)
+    module.configure_model()
+    module.compute_loss(PaddedCollator(0)(DOCS))  # padded rows: one document each, nothing to carry
+    with pytest.raises(ValueError, match=f"'{attn}' lets packed documents .* BambaForCausalLM: .*carry one document's state"):
+        module.compute_loss(PaddingFreeCollator(pad_token_id=0)(DOCS))
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "sdpa_by_document"])
+def test_implementations_that_keep_documents_apart_pass_the_probe_once(attn, monkeypatch):
     import lit_memtrain.objectives.probes as probes_file
 
-    monkeypatch.setattr(probes_file, "probe_document_isolation", lambda *args: pytest.fail("probed"))
+    probed = []
+    probe = probes_file.probe_document_isolation
+    monkeypatch.setattr(probes_file, "probe_document_isolation", lambda *args: probed.append(args[2]) or probe(*args))
     module = CausalLMModule(preset="tiny-qwen3", attn_implementation=attn)
     module.configure_model()
-    module.compute_loss(PaddingFreeCollator(pad_token_id=0)(DOCS))
+    for _ in range(2):
+        module.compute_loss(PaddingFreeCollator(pad_token_id=0)(DOCS))
+    assert probed == [attn]
+
+
+def test_packed_rows_under_an_attention_mask_are_refused():
+    """A collator that adds an attention mask (all ones) to packed rows: transformers then ignores the restarts of
+    position_ids and the documents attend to each other (the loss moved from 6.2691 to 6.2733, silently)."""
+    torch.manual_seed(0)
+    module = CausalLMModule(preset="tiny-qwen3", attn_implementation="sdpa")
+    module.configure_model()
+    flat = PaddingFreeCollator(pad_token_id=0)(DOCS)
+    masked = {**flat, "attention_mask": torch.ones_like(flat["input_ids"])}
+    with pytest.raises(ValueError, match="in row 0 the position ids restart at token 6 .from 5 to 0."):
+        module.compute_loss(masked)
+    padded = PaddedCollator(0)(DOCS)  # one document a row, right-padded: positions continue under the mask
+    positions = torch.arange(padded["input_ids"].shape[1]).expand_as(padded["input_ids"])
+    fresh = CausalLMModule(preset="tiny-qwen3", attn_implementation="sdpa")
+    fresh.configure_model()
+    fresh.compute_loss({**padded, "position_ids": positions})
 
 
 @pytest.mark.parametrize("strategy", ["bfd", "bfd_split", "wrapped"])

@@ -133,6 +133,21 @@ def test_unsupported_arguments_and_bad_bounds_are_refused() -> None:
             model(input_ids=torch.zeros(1, 6, dtype=torch.long), cu_seq_lens_q=torch.tensor(bounds), use_cache=False)
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_attention_sinks_are_refused_on_every_path(padded: bool) -> None:
+    """GPT-OSS supports no sdpa (its sinks), but transformers lets it take varlen_by_document: its padded batches went
+    to transformers' sdpa, which drops the sinks, and trained on other logits than the model's, silently."""
+    config = AutoConfig.for_model("gpt_oss", **SMALL)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=VARLEN_BY_DOCUMENT).eval()
+    input_ids = torch.randint(3, 100, (2, 10), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(input_ids)
+    mask[1, 6:] = 0
+    inputs = {"attention_mask": mask} if padded else {}
+    with pytest.raises(ValueError, match="'varlen_by_document' does not support s_aux .* use 'eager'"):
+        model(input_ids=input_ids, use_cache=False, **inputs)
+
+
 def test_no_dense_mask_is_built_for_a_packed_row() -> None:
     masks = {}
     for attention in ("sdpa", SDPA_BY_DOCUMENT):

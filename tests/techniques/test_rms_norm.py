@@ -9,6 +9,7 @@ from equivalence import assert_equal_up_to_rounding
 from torch import nn
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from lit_memtrain.techniques.rms_norm import (
@@ -89,6 +90,18 @@ def test_the_probe_accepts_llama_and_qwen3_and_rejects_other_norms():
             return (self.weight.float() * x).to(hidden_states.dtype)
 
     assert "differs" in probe_rms_norm(_norm(WeightInFp32, torch.bfloat16))
+
+
+def test_a_norm_that_differs_only_under_mixed_precision_is_refused():
+    """OLMo 2's norm multiplies by its weight in fp32, then casts back: on fp32 inputs that is the chunked norm, but
+    under bf16-mixed (fp32 weights, bf16 activations) its output is bf16 and rounded after the weight."""
+    norm = _norm(Olmo2RMSNorm, torch.float32)
+    x = (3 * torch.randn(2, 8, HIDDEN, generator=torch.Generator().manual_seed(0))).to(torch.bfloat16)
+    with torch.no_grad():
+        own, chunked = norm(x), chunked_rms_norm(x, norm.weight, norm.variance_epsilon)
+    assert own.dtype == torch.bfloat16 and chunked.dtype == torch.float32
+    assert "on torch.bfloat16 inputs with a torch.float32 weight" in probe_rms_norm(norm)
+    assert probe_rms_norm(_norm(Qwen3RMSNorm, torch.float32)) is None  # its weight multiplies after the cast back
 
 
 def test_apply_replaces_the_norms_it_proves_and_restores_them():
