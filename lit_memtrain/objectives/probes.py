@@ -54,9 +54,10 @@ __all__ = [
 ]
 
 # Context-parallel attention: each rank holds a shard of every row, so a whole row cannot run on one rank as the probe
-# needs; it keeps documents apart by the row's bounds (tests/parallel/context_parallel). Every other implementation
-# is probed once, with the model: "sdpa" and "eager" keep the attention of documents apart (this project's tests),
-# not the state a Mamba, linear-attention or convolution layer carries along the row.
+# needs; it keeps documents apart by the row's bounds (tests/parallel/context_parallel), and the strategy refuses a
+# model whose other layers mix tokens along the row when it installs it (install_checked_attention). Every other
+# implementation is probed once, with the model: "sdpa" and "eager" keep the attention of documents apart (this
+# project's tests), not the state a Mamba, linear-attention or convolution layer carries along the row.
 UNPROBED_DOCUMENT_ATTENTION = frozenset(CONTEXT_PARALLEL_ATTENTION.values())
 
 _PROBE_TOKENS = 8
