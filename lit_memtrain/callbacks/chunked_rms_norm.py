@@ -8,12 +8,19 @@ holding a Hugging Face causal LM. The norms are found and probed when the fit st
 
 from __future__ import annotations
 
+import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch.distributed.fsdp import FSDPModule
 
 from lit_memtrain.callbacks.restored_at_fit_end import RestoredAtFitEnd
 from lit_memtrain.callbacks.technique_description import CompareRow, Suggestion, TechniqueDescription
-from lit_memtrain.techniques.rms_norm import DEFAULT_CHUNK_ELEMENTS, apply_chunked_rms_norm, validate_chunk_elements
+from lit_memtrain.techniques.rms_norm import (
+    DEFAULT_CHUNK_ELEMENTS,
+    apply_chunked_rms_norm,
+    run_dtypes,
+    validate_chunk_elements,
+)
 
 __all__ = ["ChunkedRMSNorm"]
 
@@ -22,7 +29,7 @@ class ChunkedRMSNorm(RestoredAtFitEnd):
     """Memory-efficient RMSNorms during ``fit``: fp32 over chunks of tokens, saving the input and ``rstd`` only.
 
     Every module whose class is named ``*RMSNorm`` and whose output a probe at fit start shows equal to the
-    chunked computation is replaced; classes the probe rejects keep their own forward (named in a warning), and
+    chunked computation, in the precisions this fit computes in (:meth:`run_dtypes`), is replaced; classes the probe rejects keep their own forward (named in a warning), and
     a model with no replaceable norm is an error.
 
     Args:
@@ -55,7 +62,8 @@ class ChunkedRMSNorm(RestoredAtFitEnd):
             raise ValueError(
                 "ChunkedRMSNorm found no RMSNorm module (a class named '*RMSNorm') in the model; leave it out."
             )
-        self._restore, skipped = apply_chunked_rms_norm(pl_module.modules(), self.chunk_elements)
+        dtypes = self.run_dtypes(trainer, pl_module)
+        self._restore, skipped = apply_chunked_rms_norm(pl_module.modules(), self.chunk_elements, dtypes)
         reasons = "; ".join(f"{name}: {reason}" for name, reason in skipped.items())
         if len(skipped) == len(found):
             self._undo()
@@ -70,3 +78,21 @@ class ChunkedRMSNorm(RestoredAtFitEnd):
             f"ChunkedRMSNorm: {len(replaced)} norms ({', '.join(sorted(set(replaced)))}) replaced by fp32 chunks of "
             f"{self.chunk_elements:,} elements"
         )
+
+    @staticmethod
+    def run_dtypes(trainer: Trainer, pl_module: LightningModule) -> frozenset[torch.dtype] | None:
+        """The dtypes this fit computes in besides fp32 and the weights' own, for the probe
+        (:func:`~lit_memtrain.techniques.rms_norm.run_dtypes`): the Trainer's precision (``trainer.precision``, its
+        precision plugin's name: autocast's dtype under ``bf16-mixed`` / ``16-mixed``; ``-true`` precisions have
+        converted the weights before fit start, which the probe reads from each norm) and the dtype a strategy with
+        an FSDP2 ``mp_policy`` gathers the parameters in. ``None`` (every precision) for a precision plugin not known
+        there, or a model sharded by FSDP2 under a policy the strategy does not expose (a user's ``fully_shard``).
+
+        Why not every precision always: a norm that applies its weight in fp32 (OLMo 2's) differs from the chunked
+        one on half-precision inputs only; refusing it for a pure fp32 fit, where it is exact, took the memory saving
+        away for nothing.
+        """
+        if not hasattr(trainer.strategy, "mp_policy") and any(isinstance(m, FSDPModule) for m in pl_module.modules()):
+            return None
+        policy = trainer.strategy.mp_policy if hasattr(trainer.strategy, "mp_policy") else None
+        return run_dtypes(str(trainer.precision), getattr(policy, "param_dtype", None))

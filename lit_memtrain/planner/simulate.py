@@ -48,7 +48,7 @@ import contextlib
 import copy
 import functools
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -419,9 +419,9 @@ def norm_probes_on_real_tensors() -> Iterator[None]:
     swaps in a weight of its own and compares values, which fake tensors have none of; its verdict decides
     which norms are replaced, so the plan gets the same ones as the run."""
 
-    def on_real_tensors(norm: torch.nn.Module) -> str | None:
+    def on_real_tensors(norm: torch.nn.Module, dtypes: Collection[torch.dtype] | None) -> str | None:
         with unset_fake_temporarily():
-            return probe_rms_norm(norm)
+            return probe_rms_norm(norm, dtypes)
 
     with probed_with(on_real_tensors):
         yield

@@ -73,6 +73,7 @@ from lit_memtrain.planner.layers import (
     technique_anchoring,
     with_layer_count,
 )
+from lit_memtrain.parallel.fsdp import mixed_precision_policy
 from lit_memtrain.planner.per_rank import check_strategy, device_mesh, flash_sdpa, set_up_rank, shard_model
 from lit_memtrain.planner.settings import DPO_MODULE, PlanSettings, init_parameters
 from lit_memtrain.planner.simulate import (
@@ -138,6 +139,13 @@ def planned_attention(settings: PlanSettings, model: torch.nn.Module) -> str:
     return choose_document_attention(model, torch.device("cuda"), half_precision)
 
 
+@dataclass(frozen=True)
+class _StrategyView:
+    """What the memory callbacks read from the Trainer's strategy: the FSDP2 policy it gathers parameters under."""
+
+    mp_policy: Any = None
+
+
 @dataclass
 class _StepTrainer:
     """What ``configure_optimizers`` and the memory callbacks read from the Trainer during the step."""
@@ -145,6 +153,8 @@ class _StepTrainer:
     accumulate_grad_batches: int = 1
     world_size: int = 1
     estimated_stepping_batches: int = 1
+    precision: str = "32-true"  # the precision plugin's name, which ChunkedRMSNorm's probe reads
+    strategy: Any = None  # what a callback reads of the strategy: its FSDP2 ``mp_policy`` (``None`` unsharded)
 
 
 def simulate_fit_step(
@@ -305,7 +315,10 @@ def _simulate(settings: PlanSettings, model: _ModelPlan, max_length: int, layers
     model_config = model.config if layers is None else with_layer_count(model.config, layers)
     callbacks = [spec.instantiate() for spec in settings.callbacks if is_technique(spec.resolve())]
     strategy = settings.strategy
-    trainer = _StepTrainer(settings.accumulate_grad_batches, strategy.world_size)
+    trainer = _StepTrainer(
+        settings.accumulate_grad_batches, strategy.world_size, precision=settings.precision,
+        strategy=_StrategyView(mixed_precision_policy(strategy.mixed_precision) if strategy.sharded else None),
+    )  # fmt: skip
     device = stand_in_device()
     check_strategy(strategy, model_config)
 

@@ -16,7 +16,10 @@ belong to how the ranks are organised, not to the model or the loss:
 - *Attention* is swapped for Ulysses or ring (:func:`~lit_memtrain.parallel.context_parallel.install_attention`) when
   a stage starts (``on_train_start``, ``on_validation_start``, ...: Lightning calls the strategy's hook after the
   module's, so the module's setup probes have run with the model's own attention, and before the first batch),
-  and restored when training ends. :meth:`batch_to_device` only shards each batch and hands its layout over.
+  and restored when training ends. It is installed only once a probe row split over the group gave what it gives
+  whole (:func:`~lit_memtrain.parallel.context_parallel.install_checked_attention`): a model that mixes tokens
+  outside its attention (Mamba, linear attention, convolutions, ALiBi) is refused there, before any batch.
+  :meth:`batch_to_device` only shards each batch and hands its layout over.
 - *The loss* needs nothing new: the module divides each micro-batch's loss by the step's trainable tokens
   counted on the whole rows and summed over ``data_parallel`` (each row once), and each rank's loss is the sum
   over its own tokens, so the ranks' gradients add up to one process's on the whole sequence. Each rank counts
@@ -51,7 +54,7 @@ from lit_memtrain.parallel.context_parallel import (
     ShardLayout,
     check_context_parallel,
     check_same_rows,
-    install_attention,
+    install_checked_attention,
     shard_batch,
     torch_ring_attention,
 )
@@ -272,8 +275,10 @@ class ContextParallelStrategy(FSDP2Strategy):
                 "ContextParallelStrategy has no model to split: none was sharded with strategy.parallelize(model). "
                 "Build the model in the LightningModule's configure_model and shard it there (CausalLMModule does)."
             )
-        self._attention = install_attention(
-            self._model_to_split, self.context_parallel_mesh.get_group(), self.method, self.inner, self.ring_backend
+        mesh = self.context_parallel_mesh
+        ring = (lambda layout: torch_ring_attention(mesh, layout)) if self._uses_torch_ring() else None
+        self._attention = install_checked_attention(
+            self._model_to_split, mesh.get_group(), self.method, self.inner, self.ring_backend, self.pad_token_id, ring
         )
 
     def _log_padding(self, layout: ShardLayout) -> None:

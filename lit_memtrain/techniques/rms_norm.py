@@ -18,8 +18,9 @@ autograd applies to those operations, in fp32; the weight's gradient is summed o
 sums it in the gradient's dtype), within the gradient dtype's rounding of autograd's.
 :func:`apply_chunked_rms_norm` replaces only norms it can prove compute this: a ``variance_epsilon`` float,
 a 1-D ``weight``, and a probe comparing the module's own output with the chunked one on a few tokens, for equality,
-in every precision a run may compute it in (mixed precision's half inputs with an fp32 weight included). Others
-(Gemma's ``1 + weight``, a weight applied in fp32) are left as they are and named.
+in every precision the run computes it in (mixed precision's half inputs with an fp32 weight included; every
+precision when the run is not known). Others (Gemma's ``1 + weight``; a weight applied in fp32, under half-precision
+inputs) are left as they are and named.
 
 Two hooks serve the memory planner (:mod:`lit_memtrain.planner.simulate`), which runs this code on fake tensors:
 :func:`selected_chunks` runs only some chunks (each frees its temporaries before the next, so a few give the peak
@@ -29,7 +30,7 @@ of all), and :func:`probed_with` replaces the probe (it compares values, which f
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -44,6 +45,7 @@ __all__ = [
     "chunked_rms_norm",
     "probe_rms_norm",
     "probed_with",
+    "run_dtypes",
     "selected_chunks",
     "validate_chunk_elements",
 ]
@@ -148,15 +150,22 @@ def chunked_rms_norm(x: Tensor, weight: Tensor, eps: float, chunk_elements: int 
     return _ChunkedRMSNorm.apply(x, weight, eps, chunk_elements)
 
 
-def probe_rms_norm(norm: nn.Module) -> str | None:
+def probe_rms_norm(norm: nn.Module, dtypes: Collection[torch.dtype] | None = None) -> str | None:
     """Why ``norm`` cannot be replaced by :func:`chunked_rms_norm`, or ``None`` when it computes the same.
 
     Runs the module's own forward and the chunked one on a few tokens with a known weight, on the CPU, without
-    gradients, and requires equal outputs (values and dtype) in every precision a run may compute it in, which the
-    probe does not know: fp32, the weight's dtype, bf16 and fp16 (weights and inputs), and bf16 and fp16 inputs
-    with an fp32 weight (``bf16-mixed`` keeps the weights fp32 and makes the activations half). A norm that
-    applies its weight in fp32 before casting back (OLMo 2's, GPT-OSS's) computes the same as the chunked one on
-    fp32 inputs only, and is refused.
+    gradients, and requires equal outputs (values and dtype) in every precision the run computes it in. A norm
+    that applies its weight in fp32 before casting back (OLMo 2's, GPT-OSS's) computes the same as the chunked one
+    on fp32 inputs only: refused for a run that gives it half-precision inputs, accepted for one that does not.
+
+    Args:
+        norm: the module.
+        dtypes: the dtypes the run computes in besides fp32 and the weight's own: autocast's under mixed precision,
+            the parameters' under a sharding that casts them (:func:`run_dtypes`). Checked: inputs in fp32, the
+            weight's dtype or any of these, with a weight in its dtype or any of these (``bf16-mixed`` keeps the
+            weights fp32 and makes some norms' inputs bf16: the ``q_norm`` after a bf16 projection). ``None``, for a
+            caller that does not know the run: fp32, the weight's dtype, bf16 and fp16 (weights and inputs), and
+            bf16 and fp16 inputs with an fp32 weight.
     """
     eps, weight = getattr(norm, "variance_epsilon", None), getattr(norm, "weight", None)
     if not isinstance(eps, float) or not isinstance(weight, Tensor) or weight.dim() != 1:
@@ -167,10 +176,7 @@ def probe_rms_norm(norm: nn.Module) -> str | None:
     x = 3.0 * torch.randn(2, _PROBE_TOKENS, hidden, generator=generator)
     if not weight.dtype.is_floating_point:
         return f"its weight is {weight.dtype}"
-    half = (torch.bfloat16, torch.float16)
-    mixed = [(dtype, torch.float32) for dtype in half]
-    cases = dict.fromkeys([(torch.float32, torch.float32), *mixed, (weight.dtype, weight.dtype), *((d, d) for d in half)])
-    for x_dtype, w_dtype in cases:
+    for x_dtype, w_dtype in _cases(weight.dtype, dtypes):
         probe_w, probe_x = probe_weight.to(w_dtype), x.to(x_dtype)
         with torch.no_grad():
             expected = torch.func.functional_call(norm, {"weight": probe_w}, (probe_x,), strict=False)
@@ -181,13 +187,47 @@ def probe_rms_norm(norm: nn.Module) -> str | None:
     return None
 
 
-_probe: Callable[[nn.Module], str | None] = probe_rms_norm
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _cases(weight_dtype: torch.dtype, dtypes: Collection[torch.dtype] | None) -> list[tuple[torch.dtype, torch.dtype]]:
+    """The (input, weight) dtypes :func:`probe_rms_norm` compares in."""
+    if dtypes is None:
+        mixed = [(dtype, torch.float32) for dtype in _HALF]
+        same = [(torch.float32, torch.float32), (weight_dtype, weight_dtype), *((dtype, dtype) for dtype in _HALF)]
+        return list(dict.fromkeys([same[0], *mixed, *same[1:]]))
+    weights = list(dict.fromkeys([weight_dtype, *dtypes]))
+    inputs = list(dict.fromkeys([torch.float32, *weights]))
+    return [(x_dtype, w_dtype) for x_dtype in inputs for w_dtype in weights]
+
+
+def run_dtypes(precision: str | None, parameter_dtype: torch.dtype | None = None) -> frozenset[torch.dtype] | None:
+    """The dtypes a run computes in besides fp32 and its weights' own, for :func:`probe_rms_norm`.
+
+    Args:
+        precision: Lightning's precision name (``trainer.precision``: ``"32-true"``, ``"bf16-mixed"``,
+            ``"16-mixed"``, ``"bf16-true"``...): ``-mixed`` adds autocast's dtype (``-true`` converts the weights,
+            whose dtype the probe reads from the norm). ``None`` or a name not known here (a plugin's own):
+            ``None``, every precision.
+        parameter_dtype: the dtype a sharding gathers the parameters in for compute (FSDP2's
+            ``MixedPrecisionPolicy.param_dtype``), if any.
+    """
+    known = {"64-true": (), "32-true": (), "bf16-true": (), "16-true": (), "bf16-mixed": (torch.bfloat16,),
+             "16-mixed": (torch.float16,)}  # fmt: skip
+    if precision not in known:
+        return None
+    return frozenset([*known[precision], *([parameter_dtype] if parameter_dtype is not None else [])])
+
+
+_Probe = Callable[[nn.Module, Collection[torch.dtype] | None], str | None]
+_probe: _Probe = probe_rms_norm
 
 
 @contextlib.contextmanager
-def probed_with(probe: Callable[[nn.Module], str | None]) -> Iterator[None]:
-    """Have :func:`apply_chunked_rms_norm` ask ``probe`` (with :func:`probe_rms_norm`'s contract: why the norm cannot
-    be replaced, or ``None``) instead of :func:`probe_rms_norm`, while the context is open.
+def probed_with(probe: _Probe) -> Iterator[None]:
+    """Have :func:`apply_chunked_rms_norm` ask ``probe`` (with :func:`probe_rms_norm`'s contract: the norm and the
+    run's dtypes in, why the norm cannot be replaced, or ``None``, out) instead of :func:`probe_rms_norm`, while the
+    context is open.
 
     For the memory planner, whose model has fake weights: its probe runs :func:`probe_rms_norm` on real tensors, so a
     plan replaces the same norms as the run.
@@ -201,12 +241,15 @@ def probed_with(probe: Callable[[nn.Module], str | None]) -> Iterator[None]:
 
 
 def apply_chunked_rms_norm(
-    modules: Iterable[nn.Module], chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
+    modules: Iterable[nn.Module],
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+    dtypes: Collection[torch.dtype] | None = None,
 ) -> tuple[Callable[[], None], dict[str, str]]:
     """Run every RMSNorm among ``modules`` (classes named ``*RMSNorm``) through :func:`chunked_rms_norm`.
 
-    Each class is probed once (:func:`probe_rms_norm`, or the probe :func:`probed_with` gives); norms of a class
-    the probe cannot prove equal keep their own forward.
+    Each class is probed once (:func:`probe_rms_norm`, or the probe :func:`probed_with` gives) in the run's
+    ``dtypes`` (:func:`run_dtypes`; ``None``: every precision); norms of a class the probe cannot prove equal keep
+    their own forward.
 
     Returns:
         A function that restores the original forwards, and the classes left as they are with the reason.
@@ -227,7 +270,7 @@ def apply_chunked_rms_norm(
         if getattr(module.forward, _MARKER, False):
             raise ValueError(f"{kind.__name__} is already chunked; apply_chunked_rms_norm once.")
         if kind not in verdicts:
-            verdicts[kind] = _probe(module)
+            verdicts[kind] = _probe(module, dtypes)
         if verdicts[kind] is None:
             norms.append(module)
     restore = wrap_forwards(norms, lambda norm, forward: _chunked_forward(norm, chunk_elements))

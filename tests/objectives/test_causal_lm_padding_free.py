@@ -104,6 +104,24 @@ def test_a_hybrid_model_whose_mamba_layers_carry_state_across_documents_is_refus
         module.compute_loss(PaddingFreeCollator(pad_token_id=0)(DOCS))
 
 
+LFM2 = {"model_type": "lfm2", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "layer_types": ["conv", "full_attention"], "pad_token_id": 0,
+        "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_short_convolution_that_leaks_weakly_into_the_next_document_is_refused(dtype):
+    """A tiny random LFM2: its short convolutions carry a document's last tokens into the next one's first, which
+    moved the packed logits by 8.5e-5 (relative, whole document) in fp32, under the probe's fixed 1e-4, and below
+    bf16's rounding of the comparison with the document alone; padding-free rows trained on them, silently."""
+    torch.manual_seed(0)
+    module = CausalLMModule(config=LFM2, attn_implementation="sdpa_by_document", dtype=dtype)
+    module.configure_model()
+    module.compute_loss(PaddedCollator(0)(DOCS))  # padded rows: one document each, nothing to carry
+    with pytest.raises(ValueError, match="'sdpa_by_document' lets packed documents .* Lfm2ForCausalLM: .*carry one"):
+        module.compute_loss(PaddingFreeCollator(pad_token_id=0)(DOCS))
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager", "sdpa_by_document"])
 def test_implementations_that_keep_documents_apart_pass_the_probe_once(attn, monkeypatch):
     import lit_memtrain.objectives.probes as probes_file

@@ -143,7 +143,7 @@ def test_selected_chunks_run_only_the_chunks_kept_and_the_others_stay_unwritten(
 
 def test_probed_with_replaces_the_probe_while_open():
     norm = _norm(Qwen3RMSNorm, torch.float32)
-    with probed_with(lambda module: "refused by the test's probe"):
+    with probed_with(lambda module, dtypes: "refused by the test's probe"):
         restore, skipped = apply_chunked_rms_norm([norm])
     assert skipped == {"Qwen3RMSNorm": "refused by the test's probe"} and "forward" not in vars(norm)
     restore()

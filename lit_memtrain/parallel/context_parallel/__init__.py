@@ -12,7 +12,7 @@ attention exchanges anything:
 A step on each rank of a group, without Lightning::
 
     check_context_parallel(model.config, cp_size, "ulysses", world_size)  # before any work
-    attention = install_attention(model, cp_group, "ulysses")
+    attention = install_attention(model, cp_group, "ulysses")  # or install_checked_attention: refuses a Mamba hybrid
     shard = shard_batch(batch, cp_rank, cp_size, "ulysses")  # every rank of the group has the same batch
     attention.set_layout(shard.layout)
     hidden = model.model(input_ids=shard.batch["input_ids"], position_ids=shard.batch["position_ids"],
@@ -41,6 +41,7 @@ from lit_memtrain.parallel.context_parallel.sharding import (
     padded_length,
     shard_batch,
 )
+from lit_memtrain.parallel.context_parallel.split_check import install_checked_attention
 from lit_memtrain.parallel.context_parallel.torch_ring import torch_ring_attention
 from lit_memtrain.parallel.context_parallel.ulysses import INNER_ATTENTIONS
 from lit_memtrain.parallel.context_parallel.validation import METHODS, check_context_parallel, ulysses_sizes
@@ -56,6 +57,7 @@ __all__ = [
     "check_context_parallel",
     "check_same_rows",
     "install_attention",
+    "install_checked_attention",
     "padded_length",
     "shard_batch",
     "torch_ring_attention",
