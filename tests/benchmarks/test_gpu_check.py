@@ -376,15 +376,15 @@ def test_step_profile_classifies_cuda_kernels_by_what_launched_them(check_module
 
 
 def test_step_profile_refuses_a_compilation_inside_its_timed_steps(check_module):
-    """With one warm-up step the first timed step recompiles the compiled layers for its new document count (shapes
-    dynamic from then on): the part raises, where tokens/s would otherwise time the compiler unseen."""
+    """With no warm-up step the first timed step recompiles the compiled layers (first compiled for the rows the setup
+    probes run) for its own shapes: the part raises, where tokens/s would otherwise time the compiler unseen."""
     import torch
 
     import step_profile
 
-    settings = {"preset": "tiny-qwen3", "max_length": 256, "rows": 3, "warmup_steps": 1, "steps": 1, "median_length": 20,
+    settings = {"preset": "tiny-qwen3", "max_length": 256, "rows": 3, "warmup_steps": 0, "steps": 1, "median_length": 20,
                 "device": "cpu", "precision": "32-true", "dtype": "float32", "seed": 0, "compile": True,
-                "compile_backend": "aot_eager"}  # the dry run's, with one warm-up step  # fmt: skip
+                "compile_backend": "aot_eager"}  # the dry run's, with no warm-up step  # fmt: skip
     try:
         with pytest.raises(Exception, match="fail_on_recompile"):
             step_profile.fit_ours(settings)
