@@ -55,3 +55,52 @@ def test_prompts_without_answers_are_refused(tmp_path):
         load_answer_prompts(str(path), 1)
     with pytest.raises(ValueError, match="has 500 prompts, fewer than num_prompts=501"):
         load_answer_prompts(ADDITION_HELDOUT, 501)
+
+
+def _bos_tokenizer():
+    """The embedded tokenizer as a Llama-style one: it puts a BOS token before every text, and has no chat
+    template."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    from lit_memtrain.datamodules.embedded import embedded_tokenizer_path
+
+    backend = PreTrainedTokenizerFast.from_pretrained(embedded_tokenizer_path()).backend_tokenizer
+    bos = backend.token_to_id("<|im_start|>")
+    backend.post_processor = TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+
+
+def _prompted_with(model):
+    """Record the unpadded prompt ids of each row ``model.generate`` is called with."""
+    prompted, generate = [], model.generate
+
+    def recording(**inputs):
+        for ids, mask in zip(inputs["input_ids"], inputs["attention_mask"]):
+            prompted.append(ids[mask.bool()].tolist())
+        return generate(**inputs)
+
+    model.generate = recording
+    return prompted
+
+
+def test_string_prompts_are_generated_from_the_tokens_training_gave_them_bos_first():
+    from lit_memtrain.datamodules.prompt_tokenize import tokenize_prompt
+    from lit_memtrain.datamodules.tokenize import tokenize_prompt_completion
+    from lit_memtrain.models.generate import generate_answer
+
+    tokenizer = _bos_tokenizer()
+    prompts = ["What is 2 + 3?", "What is 41 + 17?"]
+    rl_prompts = [tokenize_prompt({"prompt": prompt}, tokenizer)["prompt_ids"] for prompt in prompts]
+    sft_rows = [tokenize_prompt_completion({"prompt": p, "completion": " 5"}, tokenizer) for p in prompts]
+    sft_prompts = [row["input_ids"][: row["labels"].count(-100)] for row in sft_rows]
+    assert rl_prompts == sft_prompts and all(ids[0] == tokenizer.bos_token_id for ids in rl_prompts)
+    model = tiny_llama()
+    prompted = _prompted_with(model)
+    greedy_completions(model, tokenizer, prompts, 3, batch_size=2)
+    assert prompted == rl_prompts  # both rows of one left-padded batch
+    prompted.clear()
+    generate_answer(model, prompts[1], 3, tokenizer=tokenizer)  # no chat template: the prompt as it was trained
+    assert prompted == rl_prompts[1:]
