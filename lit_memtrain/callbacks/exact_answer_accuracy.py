@@ -28,6 +28,7 @@ class ExactAnswerAccuracy(Callback):
     Args:
         dataset: a prompt dataset with an ``answer`` column (the embedded held-out additions by default).
         num_prompts: how many of its first prompts are scored.
+        split: the dataset's held-out split (needed when it has several; ``None``: its only split).
         max_new_tokens: the longest completion generated.
         batch_size: prompts generated together.
 
@@ -37,7 +38,12 @@ class ExactAnswerAccuracy(Callback):
     """
 
     def __init__(
-        self, dataset: str = ADDITION_HELDOUT, num_prompts: int = 200, max_new_tokens: int = 8, batch_size: int = 50
+        self,
+        dataset: str = ADDITION_HELDOUT,
+        num_prompts: int = 200,
+        max_new_tokens: int = 8,
+        batch_size: int = 50,
+        split: str | None = None,
     ) -> None:
         if num_prompts < 1 or max_new_tokens < 1 or batch_size < 1:
             raise ValueError(
@@ -48,11 +54,13 @@ class ExactAnswerAccuracy(Callback):
         self.num_prompts = num_prompts
         self.max_new_tokens = max_new_tokens
         self.batch_size = batch_size
+        self.split = split
         self.scores: list[tuple[int, AnswerScore]] = []  # (global step, score), in the order measured
         self._rows: list[dict[str, Any]] | None = None
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._rows = load_answer_prompts(self.dataset, self.num_prompts)  # a bad dataset fails before the model loads
+        # a bad dataset fails before the model loads
+        self._rows = load_answer_prompts(self.dataset, self.num_prompts, self.split)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._score(trainer, pl_module, "before training")

@@ -23,13 +23,17 @@ def evaluate(argv: list[str]) -> None:
         "--dataset", default=ADDITION_HELDOUT,
         help=f"prompts with an 'answer' column (default {ADDITION_HELDOUT}: sums lit-memtrain/addition never asks)",
     )  # fmt: skip
-    parser.add_argument("--num_prompts", type=int, default=200, help="how many of the dataset's first prompts")
+    parser.add_argument(
+        "--split", default=None, help="the dataset's held-out split to score (needed when it has several)"
+    )
+    parser.add_argument("--num_prompts", type=int, default=200, help="how many of the split's first prompts")
     parser.add_argument("--max_new_tokens", type=int, default=8)
     parser.add_argument("--batch_size", type=int, default=50, help="prompts generated together")
     args = parser.parse_args(argv)
-    rows = load_answer_prompts(args.dataset, args.num_prompts)
+    rows = load_answer_prompts(args.dataset, args.num_prompts, args.split)
     tokenizer = load_tokenizer_for(args.model, args.tokenizer, args.gguf_file)
     score = score_exact_answers(
         load_model_for(args.model, args.gguf_file), tokenizer, rows, args.max_new_tokens, args.batch_size
     )
-    print(f"exact-answer accuracy of {args.model} on {args.num_prompts} prompts of {args.dataset}: {score}")
+    split = f" ({args.split})" if args.split else ""
+    print(f"exact-answer accuracy of {args.model} on {args.num_prompts} prompts of {args.dataset}{split}: {score}")

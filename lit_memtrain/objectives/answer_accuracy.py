@@ -37,15 +37,28 @@ class AnswerScore(NamedTuple):
         return f"{self.correct}/{self.total} ({100 * self.accuracy:.1f}%)"
 
 
-def load_answer_prompts(dataset: str, num_prompts: int) -> list[dict[str, Any]]:
-    """The first ``num_prompts`` rows (``prompt`` and ``answer``) of ``dataset``'s train split.
+def load_answer_prompts(dataset: str, num_prompts: int, split: str | None = None) -> list[dict[str, Any]]:
+    """The first ``num_prompts`` rows (``prompt`` and ``answer``) of ``dataset``'s ``split``: when ``None``, its only
+    split.
+
+    Why no default split: a dataset with several (``train`` and ``test``) trained on one of them, and the score of
+    prompts the model trained on says nothing of held-out ones; which one is held out is the user's to say.
 
     Raises:
-        ValueError: the dataset has no ``prompt`` or ``answer`` column, or fewer than ``num_prompts`` rows.
+        ValueError: ``split`` is not one of the dataset's, or is ``None`` and the dataset has several; the dataset
+            has no ``prompt`` or ``answer`` column, or fewer than ``num_prompts`` rows.
     """
     if num_prompts < 1:
         raise ValueError(f"num_prompts must be at least 1, got {num_prompts}.")
-    split = load_raw_dataset(dataset).data["train"]
+    splits = load_raw_dataset(dataset).data
+    if split is None and len(splits) > 1:
+        raise ValueError(
+            f"Dataset {dataset!r} has the splits {list(splits)}: name the held-out one to score (split=..., "
+            "lit-memtrain evaluate --split ...); the first rows of a training split are prompts the model trained on."
+        )
+    if split is not None and split not in splits:
+        raise ValueError(f"Dataset {dataset!r} has no split {split!r}; its splits: {list(splits)}.")
+    split = splits[split if split is not None else next(iter(splits))]
     missing = [column for column in ("prompt", "answer") if column not in split.column_names]
     if missing:
         raise ValueError(

@@ -5,7 +5,11 @@ import csv
 import re
 from pathlib import Path
 
+import datasets
+import pytest
+
 from lit_memtrain.cli import main
+from lit_memtrain.objectives.answer_accuracy import load_answer_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
@@ -36,3 +40,18 @@ def test_evaluate_scores_a_gguf_model_on_held_out_prompts(tiny_gguf, capsys):
     main(["evaluate", "--model", str(tiny_gguf), "--num_prompts=5", "--max_new_tokens=2"])
     out = capsys.readouterr().out
     assert re.search(rf"exact-answer accuracy of {tiny_gguf} on 5 prompts of lit-memtrain/addition-heldout: \d/5", out)
+
+
+def test_evaluate_scores_the_held_out_split_it_is_told_and_refuses_to_guess_among_several(tiny_gguf, tmp_path, capsys):
+    rows = {name: [{"prompt": f"{name} question {i}", "answer": str(i)} for i in range(3)] for name in ("train", "test")}
+    folder = str(tmp_path / "prompts")
+    datasets.DatasetDict({name: datasets.Dataset.from_list(r) for name, r in rows.items()}).save_to_disk(folder)
+    with pytest.raises(SystemExit):  # the first rows of "train" were scored: prompts the model trained on
+        main(["evaluate", "--model", str(tiny_gguf), "--dataset", folder, "--num_prompts=2", "--max_new_tokens=1"])
+    assert "has the splits ['train', 'test']: name the held-out one to score" in capsys.readouterr().err
+    assert load_answer_prompts(folder, 2, "test") == rows["test"][:2]
+    main(["evaluate", "--model", str(tiny_gguf), "--dataset", folder, "--split", "test", "--num_prompts=2",
+          "--max_new_tokens=1"])  # fmt: skip
+    assert re.search(rf"on 2 prompts of {folder} \(test\): \d/2", capsys.readouterr().out)
+    with pytest.raises(ValueError, match=r"has no split 'validation'; its splits: \['train', 'test'\]"):
+        load_answer_prompts(folder, 2, "validation")
