@@ -21,7 +21,8 @@ from lit_memtrain.datamodules.tokenizer import load_tokenizer
 from lit_memtrain.models.builder import ModelRecipe, build_causal_lm
 
 __all__ = [
-    "generate_answer", "greedy_completions", "load_model_for", "load_tokenizer_for", "model_inputs", "prompt_token_ids",
+    "end_of_sequence_ids", "generate_answer", "greedy_completions", "load_model_for", "load_tokenizer_for",
+    "model_inputs", "prompt_token_ids",
 ]
 
 
@@ -73,6 +74,22 @@ def model_inputs(model: PreTrainedModel, encoded: dict[str, Any]) -> dict[str, A
     return {key: value for key, value in encoded.items() if key in accepted or key == "input_ids"}
 
 
+def end_of_sequence_ids(tokenizer: PreTrainedTokenizerBase, model: Any) -> list[int]:
+    """Every token id that ends a completion: the tokenizer's end of sequence and those of the model's
+    ``generation_config`` (an end-of-turn token: Gemma's ``<end_of_turn>``, Llama 3's ``<|eot_id|>``), as TRL takes them.
+
+    Why both: ``generate`` given ``eos_token_id`` stops at those alone, and a chat model's turn often ends with a token
+    other than the tokenizer's eos; a completion generated past it carries the next turn, and an answer checked
+    exactly is scored wrong.
+    """
+    ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for token in [configured] if isinstance(configured, int) else list(configured or []):
+        if token not in ids:
+            ids.append(token)
+    return ids
+
+
 def generate_answer(
     model_dir: str | PreTrainedModel,
     prompt: str,
@@ -113,7 +130,7 @@ def generate_answer(
         output = model.generate(
             **inputs,
             max_new_tokens=max_new_tokens,
-            eos_token_id=loaded.eos_token_id,
+            eos_token_id=end_of_sequence_ids(loaded, model),
             pad_token_id=pad_token_id,
             **sampling,
         )
@@ -139,8 +156,8 @@ def greedy_completions(
     batch_size: int = 32,
 ) -> list[str]:
     """The greedy completion of each prompt (a conversation, rendered with the chat template and its generation
-    prompt, or a plain string with the special tokens training put before it: :func:`prompt_token_ids`), decoded
-    without special tokens, generated ``batch_size`` prompts at a time.
+    prompt, or a plain string with the special tokens training put before it: :func:`prompt_token_ids`), ended at
+    any of :func:`end_of_sequence_ids`, decoded without special tokens, generated ``batch_size`` prompts at a time.
 
     Prompts are padded on the left, so that every row's completion starts where its prompt ends; the attention mask
     keeps the padding out, and the answers equal those of each prompt generated alone. The model is left in the mode
@@ -156,7 +173,7 @@ def greedy_completions(
             encoded = _left_padded(token_ids[start : start + batch_size], pad_token_id, model.device)
             output = model.generate(
                 **model_inputs(model, dict(encoded)), max_new_tokens=max_new_tokens, do_sample=False,
-                eos_token_id=tokenizer.eos_token_id, pad_token_id=pad_token_id,
+                eos_token_id=end_of_sequence_ids(tokenizer, model), pad_token_id=pad_token_id,
             )  # fmt: skip
             new_tokens = output[:, encoded["input_ids"].shape[1] :]
             completions += tokenizer.batch_decode(new_tokens, skip_special_tokens=True)

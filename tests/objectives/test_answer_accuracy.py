@@ -104,3 +104,37 @@ def test_string_prompts_are_generated_from_the_tokens_training_gave_them_bos_fir
     prompted.clear()
     generate_answer(model, prompts[1], 3, tokenizer=tokenizer)  # no chat template: the prompt as it was trained
     assert prompted == rl_prompts[1:]
+
+
+def test_completions_end_at_an_end_of_turn_token_the_models_generation_config_names(tokenizer):
+    """A chat model whose turns end with a token other than the tokenizer's eos (Gemma's <end_of_turn>, listed in its
+    generation_config.eos_token_id beside <eos>) stops there, as online RL's generation does; generating past it
+    appended the next turn to the answer, which the exact-answer check then scored wrong."""
+    from transformers import AutoModelForCausalLM
+    from tiny_models import TINY_OVERRIDES
+
+    from lit_memtrain.models.generate import generate_answer
+    from lit_memtrain.models.presets import build_config
+
+    torch.manual_seed(0)  # untied: a random model with tied embeddings repeats one token
+    overrides = {**TINY_OVERRIDES, "vocab_size": len(tokenizer), "tie_word_embeddings": False}
+    model = AutoModelForCausalLM.from_config(build_config("tiny-qwen3", overrides)).eval()
+    prompt = load_answer_prompts(ADDITION_HELDOUT, 1)[0]["prompt"]
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        unstopped = _alone_ids(model, tokenizer, prompt, 6)
+    end_of_turn = unstopped[2]
+    assert end_of_turn not in unstopped[:2] and end_of_turn != tokenizer.eos_token_id
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, end_of_turn]
+    expected = tokenizer.decode(unstopped[:3], skip_special_tokens=True)
+    assert expected != tokenizer.decode(unstopped, skip_special_tokens=True)
+    assert greedy_completions(model, tokenizer, [prompt, prompt], 6, batch_size=2) == [expected, expected]
+    assert generate_answer(model, prompt[0]["content"], 6, tokenizer=tokenizer) == expected
+
+
+def _alone_ids(model, tokenizer, prompt, max_new_tokens):
+    text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    encoded = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+    output = model.eval().generate(**model_inputs(model, dict(encoded)), max_new_tokens=max_new_tokens,
+                                   do_sample=False, eos_token_id=None, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    return output[0, encoded["input_ids"].shape[1]:].tolist()
