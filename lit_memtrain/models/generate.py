@@ -19,6 +19,7 @@ from lit_memtrain.datamodules.hub_access import require_hub
 from lit_memtrain.datamodules.tokenize import encode_prompt
 from lit_memtrain.datamodules.tokenizer import load_tokenizer
 from lit_memtrain.models.builder import ModelRecipe, build_causal_lm
+from lit_memtrain.models.generation.sharded import unsharded_for_generation
 
 __all__ = [
     "end_of_sequence_ids", "generate_answer", "greedy_completions", "load_model_for", "load_tokenizer_for",
@@ -161,7 +162,9 @@ def greedy_completions(
 
     Prompts are padded on the left, so that every row's completion starts where its prompt ends; the attention mask
     keeps the padding out, and the answers equal those of each prompt generated alone. The model is left in the mode
-    it was in.
+    it was in. A model sharded with FSDP2 (every rank generating the same prompts, as ``ExactAnswerAccuracy`` does)
+    has its root parameters gathered first (:func:`~lit_memtrain.models.generation.sharded.unsharded_for_generation`):
+    ``generate`` of a LoRA model never enters the root's forward, where FSDP2 gathers them.
     """
     token_ids = [prompt_token_ids(tokenizer, prompt) for prompt in prompts]
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -171,10 +174,12 @@ def greedy_completions(
     try:
         for start in range(0, len(token_ids), batch_size):
             encoded = _left_padded(token_ids[start : start + batch_size], pad_token_id, model.device)
-            output = model.generate(
-                **model_inputs(model, dict(encoded)), max_new_tokens=max_new_tokens, do_sample=False,
-                eos_token_id=end_of_sequence_ids(tokenizer, model), pad_token_id=pad_token_id,
-            )  # fmt: skip
+            with unsharded_for_generation(model, gather_all=False) as synced_gpus:
+                output = model.generate(
+                    **model_inputs(model, dict(encoded)), max_new_tokens=max_new_tokens, do_sample=False,
+                    eos_token_id=end_of_sequence_ids(tokenizer, model), pad_token_id=pad_token_id,
+                    synced_gpus=synced_gpus,
+                )  # fmt: skip
             new_tokens = output[:, encoded["input_ids"].shape[1] :]
             completions += tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
     finally:
