@@ -2,8 +2,9 @@
 
 Why: a falling loss does not say whether the model now gets answers right, nor how far it came from where it
 started. This callback scores the module's model by greedy generation on held-out prompts with verifiable answers
-(:mod:`lit_memtrain.objectives.answer_accuracy`) when the fit starts, before the first step, and when it ends;
-each score is logged as ``val/exact_answer_accuracy`` at its step and printed, the last line with both.
+(:mod:`lit_memtrain.objectives.answer_accuracy`) before the first step (of a resumed fit: the resumed model, at
+the step it resumes from) and when the fit ends; each score is logged as ``val/exact_answer_accuracy`` at its step
+and printed, the last line with both.
 
 It reads the module's ``model`` and ``tokenizer`` attributes (any module that holds a Hugging Face causal LM and
 its tokenizer); every rank scores the same prompts, so the model's forwards stay in step under a sharded strategy.
@@ -63,14 +64,22 @@ class ExactAnswerAccuracy(Callback):
         self._rows = load_answer_prompts(self.dataset, self.num_prompts, self.split)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._score(trainer, pl_module, "before training")
+        self.scores = []  # this fit's: a callback fitted again compares its own two
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Not in on_fit_start: Lightning restores a resumed fit's weights before that hook and its step count after
+        # it, so a resumed model was scored there as "before training" at step 0.
+        resumed = trainer.global_step > 0
+        self._score(trainer, pl_module, "at the start of the resumed fit" if resumed else "before training")
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         score = self._score(trainer, pl_module, "after training")
         if len(self.scores) > 1:
+            start, first = self.scores[0]
+            since = f"at step {start}" if start else "before training"
             rank_zero_info(
-                f"exact-answer accuracy on {self.num_prompts} prompts of {self.dataset}: {self.scores[0][1]} before "
-                f"training -> {score} after {trainer.global_step} steps"
+                f"exact-answer accuracy on {self.num_prompts} prompts of {self.dataset}: {first} {since} -> {score} "
+                f"after {trainer.global_step} steps"
             )
 
     def _score(self, trainer: Trainer, pl_module: LightningModule, when: str) -> AnswerScore:

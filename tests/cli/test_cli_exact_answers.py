@@ -55,3 +55,30 @@ def test_evaluate_scores_the_held_out_split_it_is_told_and_refuses_to_guess_amon
     assert re.search(rf"on 2 prompts of {folder} \(test\): \d/2", capsys.readouterr().out)
     with pytest.raises(ValueError, match=r"has no split 'validation'; its splits: \['train', 'test'\]"):
         load_answer_prompts(folder, 2, "validation")
+
+
+def test_a_resumed_fit_scores_the_resumed_model_at_the_step_it_resumes_from(tmp_path, monkeypatch, info_lines):
+    """Lightning restores the weights before on_fit_start and the step count after it: the first score of a resumed
+    fit was the resumed model's, said to be "before training (step 0)" and logged at step 0."""
+    monkeypatch.chdir(tmp_path)
+    every_step = ("--trainer.callbacks+={class_path: lightning.pytorch.callbacks.ModelCheckpoint, "
+                  "init_args: {every_n_train_steps: 1, save_last: true}}")  # fmt: skip
+    scored = ["--trainer.callbacks+=lit_memtrain.callbacks.ExactAnswerAccuracy", "--trainer.callbacks.num_prompts=3",
+              "--trainer.callbacks.max_new_tokens=2"]  # fmt: skip
+
+    def fit(steps: int, *extra: str) -> None:
+        main([
+            "fit", "--config", QUICKSTART, SMALL, f"--trainer.max_steps={steps}", "--trainer.limit_val_batches=0",
+            "--trainer.enable_progress_bar=false", "--data.batch_size=2", "--data.val_size=0", "--trainer.logger=false",
+            f"--trainer.default_root_dir={tmp_path}", "--model.export_dir=null", "--trainer.enable_checkpointing=true",
+            every_step, *extra,
+        ])  # fmt: skip
+
+    fit(2)
+    fit(4, "--ckpt_path", "last", *scored)
+    text = "\n".join(info_lines)
+    assert re.search(r"exact-answer accuracy at the start of the resumed fit \(step 2\): \d/3", text), text
+    assert re.search(r"exact-answer accuracy after training \(step 4\): \d/3", text)
+    assert re.search(r"on 3 prompts of lit-memtrain/addition-heldout: \d/3 \(.*\) at step 2 -> \d/3 .* after 4 steps",
+                     text)  # fmt: skip
+    assert "(step 0)" not in text
