@@ -30,6 +30,9 @@ class ExactAnswerAccuracy(Callback):
         dataset: a prompt dataset with an ``answer`` column (the embedded held-out additions by default).
         num_prompts: how many of its first prompts are scored.
         split: the dataset's held-out split (needed when it has several; ``None``: its only split).
+        chat_template_kwargs: arguments of the chat template that renders the prompts (``{"enable_thinking":
+            False}``); ``None``: those of the fit's datamodule (``PromptDataModule(chat_template_kwargs=...)``), so
+            the prompts are rendered as the model trained on them.
         max_new_tokens: the longest completion generated.
         batch_size: prompts generated together.
 
@@ -45,6 +48,7 @@ class ExactAnswerAccuracy(Callback):
         max_new_tokens: int = 8,
         batch_size: int = 50,
         split: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> None:
         if num_prompts < 1 or max_new_tokens < 1 or batch_size < 1:
             raise ValueError(
@@ -56,6 +60,7 @@ class ExactAnswerAccuracy(Callback):
         self.max_new_tokens = max_new_tokens
         self.batch_size = batch_size
         self.split = split
+        self.chat_template_kwargs = chat_template_kwargs
         self.scores: list[tuple[int, AnswerScore]] = []  # (global step, score), in the order measured
         self._rows: list[dict[str, Any]] | None = None
 
@@ -82,6 +87,12 @@ class ExactAnswerAccuracy(Callback):
                 f"after {trainer.global_step} steps"
             )
 
+    def template_arguments(self, trainer: Trainer) -> dict[str, Any]:
+        """The chat template's arguments the prompts are rendered with: this callback's, else the fit's datamodule's."""
+        if self.chat_template_kwargs is not None:
+            return self.chat_template_kwargs
+        return dict(getattr(trainer.datamodule, "chat_template_kwargs", None) or {})
+
     def _score(self, trainer: Trainer, pl_module: LightningModule, when: str) -> AnswerScore:
         tokenizer = getattr(pl_module, "tokenizer", None)
         if tokenizer is None:
@@ -89,7 +100,10 @@ class ExactAnswerAccuracy(Callback):
                 f"ExactAnswerAccuracy generates with the module's tokenizer, and {type(pl_module).__name__} has none: "
                 "give the module a tokenizer (lit-memtrain fit links data.tokenizer to it)."
             )
-        score = score_exact_answers(pl_module.model, tokenizer, self._rows, self.max_new_tokens, self.batch_size)
+        score = score_exact_answers(
+            pl_module.model, tokenizer, self._rows, self.max_new_tokens, self.batch_size,
+            self.template_arguments(trainer),
+        )  # fmt: skip
         self.scores.append((trainer.global_step, score))
         for logger in trainer.loggers:
             logger.log_metrics({"val/exact_answer_accuracy": score.accuracy}, step=trainer.global_step)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 from lit_memtrain.cli.generate import add_model_arguments
 
@@ -27,13 +28,18 @@ def evaluate(argv: list[str]) -> None:
         "--split", default=None, help="the dataset's held-out split to score (needed when it has several)"
     )
     parser.add_argument("--num_prompts", type=int, default=200, help="how many of the split's first prompts")
+    parser.add_argument(
+        "--chat_template_kwargs", type=json.loads, default=None, metavar="JSON",
+        help='arguments of the chat template, as the fit gave them (e.g. \'{"enable_thinking": false}\')',
+    )  # fmt: skip
     parser.add_argument("--max_new_tokens", type=int, default=8)
     parser.add_argument("--batch_size", type=int, default=50, help="prompts generated together")
     args = parser.parse_args(argv)
     rows = load_answer_prompts(args.dataset, args.num_prompts, args.split)
     tokenizer = load_tokenizer_for(args.model, args.tokenizer, args.gguf_file)
     score = score_exact_answers(
-        load_model_for(args.model, args.gguf_file), tokenizer, rows, args.max_new_tokens, args.batch_size
-    )
+        load_model_for(args.model, args.gguf_file), tokenizer, rows, args.max_new_tokens, args.batch_size,
+        args.chat_template_kwargs,
+    )  # fmt: skip
     split = f" ({args.split})" if args.split else ""
     print(f"exact-answer accuracy of {args.model} on {args.num_prompts} prompts of {args.dataset}{split}: {score}")

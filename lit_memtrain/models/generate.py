@@ -138,13 +138,20 @@ def generate_answer(
     return loaded.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
-def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict[str, Any]]) -> list[int]:
-    """The token ids a model trained by lit-memtrain is prompted with: a conversation rendered with the chat template
-    and its generation prompt (the template writes its own special tokens), a plain string with the special tokens
-    training put before it (:func:`~lit_memtrain.datamodules.tokenize.encode_prompt`: a Llama tokenizer's BOS)."""
+def prompt_token_ids(
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: str | list[dict[str, Any]],
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    """The token ids a model trained by lit-memtrain is prompted with: a conversation rendered with the chat template,
+    its generation prompt and ``chat_template_kwargs`` (the template writes its own special tokens), a plain string
+    with the special tokens training put before it (:func:`~lit_memtrain.datamodules.tokenize.encode_prompt`: a Llama
+    tokenizer's BOS)."""
     if isinstance(prompt, str):
         return encode_prompt(tokenizer, prompt)
-    text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        prompt, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
+    )
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -155,6 +162,7 @@ def greedy_completions(
     prompts: list[str | list[dict[str, Any]]],
     max_new_tokens: int,
     batch_size: int = 32,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> list[str]:
     """The greedy completion of each prompt (a conversation, rendered with the chat template and its generation
     prompt, or a plain string with the special tokens training put before it: :func:`prompt_token_ids`), ended at
@@ -162,11 +170,12 @@ def greedy_completions(
 
     Prompts are padded on the left, so that every row's completion starts where its prompt ends; the attention mask
     keeps the padding out, and the answers equal those of each prompt generated alone. The model is left in the mode
-    it was in. A model sharded with FSDP2 (every rank generating the same prompts, as ``ExactAnswerAccuracy`` does)
+    it was in. ``chat_template_kwargs`` go to the chat template, as the fit's (``PromptDataModule``'s
+    ``{"enable_thinking": False}``) went. A model sharded with FSDP2 (every rank generating the same prompts, as ``ExactAnswerAccuracy`` does)
     has its root parameters gathered first (:func:`~lit_memtrain.models.generation.sharded.unsharded_for_generation`):
     ``generate`` of a LoRA model never enters the root's forward, where FSDP2 gathers them.
     """
-    token_ids = [prompt_token_ids(tokenizer, prompt) for prompt in prompts]
+    token_ids = [prompt_token_ids(tokenizer, prompt, chat_template_kwargs) for prompt in prompts]
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     was_training = model.training
     model.eval()

@@ -77,8 +77,11 @@ def score_exact_answers(
     rows: list[dict[str, Any]],
     max_new_tokens: int = 8,
     batch_size: int = 32,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> AnswerScore:
-    """The number of ``rows`` whose greedy completion (``max_new_tokens`` at most) is exactly their ``answer``."""
-    completions = greedy_completions(model, tokenizer, [row["prompt"] for row in rows], max_new_tokens, batch_size)
+    """The number of ``rows`` whose greedy completion (``max_new_tokens`` at most) is exactly their ``answer``; the
+    prompts rendered with ``chat_template_kwargs`` (those the model trained with)."""
+    prompts = [row["prompt"] for row in rows]
+    completions = greedy_completions(model, tokenizer, prompts, max_new_tokens, batch_size, chat_template_kwargs)
     rewards = exact_answer(completions, [row["answer"] for row in rows])
     return AnswerScore(int(sum(rewards)), len(rows))

@@ -1,13 +1,14 @@
 """Exact-answer accuracy by greedy generation: batched answers equal each prompt's own, scores count exact answers,
 and the held-out additions are questions the training additions never ask."""
 
+import copy
 import json
 
 import pytest
 import torch
 from gguf_writer import tiny_llama
 
-from lit_memtrain.datamodules.embedded import ADDITION, ADDITION_HELDOUT, named_dataset_file
+from lit_memtrain.datamodules.embedded import ADDITION, ADDITION_HELDOUT, EMBEDDED, named_dataset_file
 from lit_memtrain.models.generate import greedy_completions, model_inputs
 from lit_memtrain.objectives.answer_accuracy import AnswerScore, load_answer_prompts, score_exact_answers
 
@@ -138,3 +139,35 @@ def _alone_ids(model, tokenizer, prompt, max_new_tokens):
     output = model.eval().generate(**model_inputs(model, dict(encoded)), max_new_tokens=max_new_tokens,
                                    do_sample=False, eos_token_id=None, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
     return output[0, encoded["input_ids"].shape[1]:].tolist()
+
+
+def test_prompts_are_rendered_with_the_chat_template_arguments_the_fit_trained_with(tokenizer, tmp_path):
+    """A GRPO fit with PromptDataModule(chat_template_kwargs={"enable_thinking": False}) (Qwen3's) trains on prompts
+    ending in an empty think block; ExactAnswerAccuracy rendered them without it, a prompt the model never saw."""
+    from lightning.pytorch import Trainer
+
+    from lit_memtrain.callbacks import ExactAnswerAccuracy
+    from lit_memtrain.datamodules.prompt_tokenize import tokenize_prompt
+    from lit_memtrain.datamodules.prompts import PromptDataModule
+
+    thinking = copy.deepcopy(tokenizer)
+    thinking.chat_template = tokenizer.chat_template.replace(
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}",
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+        "{% if enable_thinking is defined and not enable_thinking %}{{ 'no thought\n' }}{% endif %}{% endif %}",
+    )
+    off = {"enable_thinking": False}
+    rows = load_answer_prompts(ADDITION_HELDOUT, 2)
+    trained = [tokenize_prompt(row, thinking, chat_template_kwargs=off)["prompt_ids"] for row in rows]
+    assert trained != [tokenize_prompt(row, thinking)["prompt_ids"] for row in rows]
+    model = tiny_llama()
+    prompted = _prompted_with(model)
+    score_exact_answers(model, thinking, rows, 2, batch_size=2, chat_template_kwargs=off)
+    assert prompted == trained
+    # The callback takes them from the fit's datamodule, unless given.
+    callback = ExactAnswerAccuracy(num_prompts=2)
+    data = PromptDataModule(tokenizer=EMBEDDED, dataset=ADDITION_HELDOUT, chat_template_kwargs=off)
+    trainer = Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.datamodule = data
+    assert callback.template_arguments(trainer) == off
+    assert ExactAnswerAccuracy(chat_template_kwargs={}).template_arguments(trainer) == {}
