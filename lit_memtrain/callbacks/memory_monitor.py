@@ -6,7 +6,9 @@ peak counters are reset at the start of each optimizer step (its first micro-bat
 micro-batch, so the value logged at a step is the peak of all its micro-batches' forwards and backwards and its
 optimizer step. Under gradient accumulation Lightning passes to the logger only what is logged at a step's last
 micro-batch: counters reset at every micro-batch would report that one alone, and miss a larger micro-batch
-before it (rows of different lengths). On the CPU the process RSS is logged instead.
+before it (rows of different lengths). On the CPU the process RSS is logged instead. Each value is one process's
+device (Lightning's loggers write rank 0's): ranks of a sharded or context-parallel fit may peak higher, which
+:class:`~lit_memtrain.callbacks.MemoryBoundedThroughput` bounds (the largest over the ranks).
 
 ``snapshot_step=N`` records the CUDA allocator's history during optimizer step ``N`` (all its
 micro-batches) and writes ``memory_snapshot_step{N}.pickle`` (open it at pytorch.org/memory_viz) and
