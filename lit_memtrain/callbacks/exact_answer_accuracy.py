@@ -30,6 +30,8 @@ class ExactAnswerAccuracy(Callback):
         dataset: a prompt dataset with an ``answer`` column (the embedded held-out additions by default).
         num_prompts: how many of its first prompts are scored.
         split: the dataset's held-out split (needed when it has several; ``None``: its only split).
+        val_size, seed: score the prompts a ``PromptDataModule(val_size=..., seed=...)`` holds out of the split
+            (the fit trained on the others).
         chat_template_kwargs: arguments of the chat template that renders the prompts (``{"enable_thinking":
             False}``); ``None``: those of the fit's datamodule (``PromptDataModule(chat_template_kwargs=...)``), so
             the prompts are rendered as the model trained on them.
@@ -49,6 +51,8 @@ class ExactAnswerAccuracy(Callback):
         batch_size: int = 50,
         split: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        val_size: float = 0,
+        seed: int = 42,
     ) -> None:
         if num_prompts < 1 or max_new_tokens < 1 or batch_size < 1:
             raise ValueError(
@@ -61,12 +65,14 @@ class ExactAnswerAccuracy(Callback):
         self.batch_size = batch_size
         self.split = split
         self.chat_template_kwargs = chat_template_kwargs
+        self.val_size = val_size
+        self.seed = seed
         self.scores: list[tuple[int, AnswerScore]] = []  # (global step, score), in the order measured
         self._rows: list[dict[str, Any]] | None = None
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         # a bad dataset fails before the model loads
-        self._rows = load_answer_prompts(self.dataset, self.num_prompts, self.split)
+        self._rows = load_answer_prompts(self.dataset, self.num_prompts, self.split, self.val_size, self.seed)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.scores = []  # this fit's: a callback fitted again compares its own two

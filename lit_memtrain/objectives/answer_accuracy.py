@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lit_memtrain.datamodules.sources import load_raw_dataset
+from lit_memtrain.datamodules.splits import hold_out
 from lit_memtrain.models.generate import greedy_completions
 from lit_memtrain.objectives.arithmetic_rewards import exact_answer
 
@@ -37,12 +38,16 @@ class AnswerScore(NamedTuple):
         return f"{self.correct}/{self.total} ({100 * self.accuracy:.1f}%)"
 
 
-def load_answer_prompts(dataset: str, num_prompts: int, split: str | None = None) -> list[dict[str, Any]]:
+def load_answer_prompts(
+    dataset: str, num_prompts: int, split: str | None = None, val_size: float = 0, seed: int = 42
+) -> list[dict[str, Any]]:
     """The first ``num_prompts`` rows (``prompt`` and ``answer``) of ``dataset``'s ``split``: when ``None``, its only
-    split.
+    split; with ``val_size``, of the prompts a fit's ``PromptDataModule(val_size=..., seed=...)`` holds out of it
+    (:func:`~lit_memtrain.datamodules.splits.hold_out`, as the datamodule calls it).
 
     Why no default split: a dataset with several (``train`` and ``test``) trained on one of them, and the score of
-    prompts the model trained on says nothing of held-out ones; which one is held out is the user's to say.
+    prompts the model trained on says nothing of held-out ones; which one is held out is the user's to say. Why
+    ``val_size``: a fit that held prompts out of its training split trained on the others, its first rows among them.
 
     Raises:
         ValueError: ``split`` is not one of the dataset's, or is ``None`` and the dataset has several; the dataset
@@ -59,6 +64,8 @@ def load_answer_prompts(dataset: str, num_prompts: int, split: str | None = None
     if split is not None and split not in splits:
         raise ValueError(f"Dataset {dataset!r} has no split {split!r}; its splits: {list(splits)}.")
     split = splits[split if split is not None else next(iter(splits))]
+    if val_size:
+        split = hold_out(split, val_size, seed, "prompts")[1]
     missing = [column for column in ("prompt", "answer") if column not in split.column_names]
     if missing:
         raise ValueError(
@@ -67,7 +74,10 @@ def load_answer_prompts(dataset: str, num_prompts: int, split: str | None = None
             "lit-memtrain/addition-heldout."
         )
     if len(split) < num_prompts:
-        raise ValueError(f"Dataset {dataset!r} has {len(split)} prompts, fewer than num_prompts={num_prompts}.")
+        held = f" (held out with val_size={val_size}, seed={seed})" if val_size else ""
+        raise ValueError(
+            f"Dataset {dataset!r} has {len(split)} prompts{held}, fewer than num_prompts={num_prompts}."
+        )
     return [{"prompt": row["prompt"], "answer": str(row["answer"])} for row in split.select(range(num_prompts))]
 
 

@@ -2,6 +2,7 @@
 before the first step and after the last, logged at each step and printed), and ``lit-memtrain evaluate``."""
 
 import csv
+import json
 import re
 from pathlib import Path
 
@@ -82,3 +83,23 @@ def test_a_resumed_fit_scores_the_resumed_model_at_the_step_it_resumes_from(tmp_
     assert re.search(r"on 3 prompts of lit-memtrain/addition-heldout: \d/3 \(.*\) at step 2 -> \d/3 .* after 4 steps",
                      text)  # fmt: skip
     assert "(step 0)" not in text
+
+
+def test_evaluate_scores_the_prompts_a_fit_held_out_of_its_training_split(tiny_gguf, capsys):
+    """A GRPO fit on addition-prompts with val_size=40 trains on the other 1,960; the first rows of the split, which
+    evaluate scored, are among those it trained on."""
+    from lit_memtrain.datamodules.embedded import ADDITION_PROMPTS, EMBEDDED
+    from lit_memtrain.datamodules.prompts import PromptDataModule
+
+    data = PromptDataModule(tokenizer=EMBEDDED, dataset=ADDITION_PROMPTS, val_size=40, seed=7)
+    data.setup("fit")
+    trained = {json.dumps(prompt) for prompt in data.train_dataset["prompt"]}
+    rows = load_answer_prompts(ADDITION_PROMPTS, 5, val_size=40, seed=7)
+    assert [row["prompt"] for row in rows] == data.val_dataset["prompt"][:5]
+    assert [row["answer"] for row in rows] == [str(answer) for answer in data.val_dataset["answer"][:5]]
+    assert not {json.dumps(row["prompt"]) for row in rows} & trained
+    assert {json.dumps(row["prompt"]) for row in load_answer_prompts(ADDITION_PROMPTS, 5)} <= trained
+    main(["evaluate", "--model", str(tiny_gguf), "--dataset", ADDITION_PROMPTS, "--val_size=40", "--seed=7",
+          "--num_prompts=2", "--max_new_tokens=1"])  # fmt: skip
+    assert re.search(r"on 2 prompts of lit-memtrain/addition-prompts \(held out with val_size=40, seed=7\): \d/2",
+                     capsys.readouterr().out)  # fmt: skip
