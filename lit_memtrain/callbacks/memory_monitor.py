@@ -2,8 +2,13 @@
 
 Why: every technique in lit-memtrain trades time for memory, and the number that decides whether a
 sequence length fits is the peak of a step, not the memory at the moment a logger samples it. On CUDA the
-peak counters are reset at the start of each batch and read at its end, so each logged value is the peak
-of that batch's forward, backward and optimizer step. On the CPU the process RSS is logged instead.
+peak counters are reset at the start of each optimizer step (its first micro-batch) and read at the end of every
+micro-batch, so the value logged at a step is the peak of all its micro-batches' forwards and backwards and its
+optimizer step. Under gradient accumulation Lightning passes to the logger only what is logged at a step's last
+micro-batch: counters reset at every micro-batch would report that one alone, and miss a larger micro-batch
+before it (rows of different lengths). On the CPU the process RSS is logged instead. Each value is one process's
+device (Lightning's loggers write rank 0's): ranks of a sharded or context-parallel fit may peak higher, which
+:class:`~lit_memtrain.callbacks.MemoryBoundedThroughput` bounds (the largest over the ranks).
 
 ``snapshot_step=N`` records the CUDA allocator's history during optimizer step ``N`` (all its
 micro-batches) and writes ``memory_snapshot_step{N}.pickle`` (open it at pytorch.org/memory_viz) and
@@ -34,7 +39,7 @@ def _process_rss_bytes() -> int:
 
 
 class MemoryMonitor(Callback):
-    """Log peak device memory per training batch (GiB, logger and progress bar); snapshot one step on request.
+    """Log peak device memory per optimizer step (GiB, logger and progress bar); snapshot one step on request.
 
     Logged keys: ``memory/peak_allocated_gib`` and ``memory/peak_reserved_gib`` on CUDA, ``memory/rss_gib``
     on the CPU.
@@ -71,8 +76,10 @@ class MemoryMonitor(Callback):
         self.snapshot_paths: tuple[Path, Path] | None = None
         self._recording = False
         self._snapshot_taken = False
+        self._peak_step: int | None = None  # the optimizer step the peak counters were last reset for
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._peak_step = None
         if self.snapshot_step is not None and pl_module.device.type != "cuda":
             rank_zero_warn(
                 f"MemoryMonitor(snapshot_step={self.snapshot_step}) records CUDA allocator history; training runs "
@@ -82,7 +89,9 @@ class MemoryMonitor(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if pl_module.device.type != "cuda":
             return
-        torch.cuda.reset_peak_memory_stats(pl_module.device)
+        if trainer.global_step != self._peak_step:  # the first micro-batch of an optimizer step
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
+            self._peak_step = trainer.global_step
         if self.snapshot_step == trainer.global_step and not self._recording and not self._snapshot_taken:
             torch.cuda.memory._record_memory_history(stacks="python", max_entries=self.max_snapshot_entries)
             self._recording = True

@@ -196,6 +196,23 @@ def encode(tokenizer: Any, text: str) -> list[int]:
     return ids
 
 
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a string prompt as a training row of prompt + completion starts: :func:`encode`'s, without the
+    special tokens a tokenizer adds after the text (BERT's ``[SEP]``), which in the row come after the completion.
+
+    Why: generation from a model trained on string prompts (``lit-memtrain evaluate``, ``ExactAnswerAccuracy``,
+    ``generate`` without a chat template) must prompt it with the tokens it was trained on; tokenizing without
+    special tokens dropped the BOS token a Llama-style tokenizer puts first, and the model saw a prompt it never
+    trained on.
+    """
+    ids = encode(tokenizer, text)
+    plain = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    for start in range(len(ids) - len(plain) + 1):
+        if ids[start : start + len(plain)] == plain:
+            return ids[: start + len(plain)]
+    return ids
+
+
 def _with_eos_text(tokenizer: Any, text: str) -> str:
     eos = tokenizer.eos_token
     return text if eos is None or text.endswith(eos) else text + eos

@@ -16,10 +16,15 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from lit_memtrain.datamodules.gguf_files import find_gguf
 from lit_memtrain.datamodules.hub_access import require_hub
+from lit_memtrain.datamodules.tokenize import encode_prompt
 from lit_memtrain.datamodules.tokenizer import load_tokenizer
 from lit_memtrain.models.builder import ModelRecipe, build_causal_lm
+from lit_memtrain.models.generation.sharded import unsharded_for_generation
 
-__all__ = ["generate_answer", "greedy_completions", "load_model_for", "load_tokenizer_for", "model_inputs"]
+__all__ = [
+    "end_of_sequence_ids", "generate_answer", "greedy_completions", "load_model_for", "load_tokenizer_for",
+    "model_inputs", "prompt_token_ids",
+]
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
@@ -70,6 +75,22 @@ def model_inputs(model: PreTrainedModel, encoded: dict[str, Any]) -> dict[str, A
     return {key: value for key, value in encoded.items() if key in accepted or key == "input_ids"}
 
 
+def end_of_sequence_ids(tokenizer: PreTrainedTokenizerBase, model: Any) -> list[int]:
+    """Every token id that ends a completion: the tokenizer's end of sequence and those of the model's
+    ``generation_config`` (an end-of-turn token: Gemma's ``<end_of_turn>``, Llama 3's ``<|eot_id|>``), as TRL takes them.
+
+    Why both: ``generate`` given ``eos_token_id`` stops at those alone, and a chat model's turn often ends with a token
+    other than the tokenizer's eos; a completion generated past it carries the next turn, and an answer checked
+    exactly is scored wrong.
+    """
+    ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for token in [configured] if isinstance(configured, int) else list(configured or []):
+        if token not in ids:
+            ids.append(token)
+    return ids
+
+
 def generate_answer(
     model_dir: str | PreTrainedModel,
     prompt: str,
@@ -80,7 +101,8 @@ def generate_answer(
     seed: int | None = None,
     gguf_file: str | None = None,
 ) -> str:
-    """Answer ``prompt`` with the model in ``model_dir`` (chat template when the tokenizer has one).
+    """Answer ``prompt`` with the model in ``model_dir`` (chat template when the tokenizer has one, else the prompt
+    with the special tokens training puts before it: :func:`prompt_token_ids`).
 
     ``model_dir`` and ``tokenizer`` may be a model and tokenizer loaded already (:func:`load_model_for`,
     :func:`load_tokenizer_for`), to answer several prompts without reading the weights again.
@@ -99,11 +121,8 @@ def generate_answer(
     else:
         loaded = load_tokenizer_for(model_dir, tokenizer, gguf_file)
     model = model_dir if isinstance(model_dir, PreTrainedModel) else load_model_for(model_dir, gguf_file)
-    if loaded.chat_template:
-        text = loaded.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
-    else:
-        text = prompt
-    inputs = model_inputs(model, dict(loaded(text, return_tensors="pt", add_special_tokens=False)))
+    conversation = [{"role": "user", "content": prompt}] if loaded.chat_template else prompt
+    inputs = model_inputs(model, _left_padded([prompt_token_ids(loaded, conversation)], 0, model.device))
     sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {"do_sample": False}
     if seed is not None:
         torch.manual_seed(seed)
@@ -112,11 +131,28 @@ def generate_answer(
         output = model.generate(
             **inputs,
             max_new_tokens=max_new_tokens,
-            eos_token_id=loaded.eos_token_id,
+            eos_token_id=end_of_sequence_ids(loaded, model),
             pad_token_id=pad_token_id,
             **sampling,
         )
     return loaded.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+def prompt_token_ids(
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: str | list[dict[str, Any]],
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    """The token ids a model trained by lit-memtrain is prompted with: a conversation rendered with the chat template,
+    its generation prompt and ``chat_template_kwargs`` (the template writes its own special tokens), a plain string
+    with the special tokens training put before it (:func:`~lit_memtrain.datamodules.tokenize.encode_prompt`: a Llama
+    tokenizer's BOS)."""
+    if isinstance(prompt, str):
+        return encode_prompt(tokenizer, prompt)
+    text = tokenizer.apply_chat_template(
+        prompt, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
+    )
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 @torch.no_grad()
@@ -126,35 +162,43 @@ def greedy_completions(
     prompts: list[str | list[dict[str, Any]]],
     max_new_tokens: int,
     batch_size: int = 32,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> list[str]:
     """The greedy completion of each prompt (a conversation, rendered with the chat template and its generation
-    prompt, or a plain string), decoded without special tokens, generated ``batch_size`` prompts at a time.
+    prompt, or a plain string with the special tokens training put before it: :func:`prompt_token_ids`), ended at
+    any of :func:`end_of_sequence_ids`, decoded without special tokens, generated ``batch_size`` prompts at a time.
 
     Prompts are padded on the left, so that every row's completion starts where its prompt ends; the attention mask
     keeps the padding out, and the answers equal those of each prompt generated alone. The model is left in the mode
-    it was in.
+    it was in. ``chat_template_kwargs`` go to the chat template, as the fit's (``PromptDataModule``'s
+    ``{"enable_thinking": False}``) went. A model sharded with FSDP2 (every rank generating the same prompts, as ``ExactAnswerAccuracy`` does)
+    has its root parameters gathered first (:func:`~lit_memtrain.models.generation.sharded.unsharded_for_generation`):
+    ``generate`` of a LoRA model never enters the root's forward, where FSDP2 gathers them.
     """
-    texts = [
-        prompt if isinstance(prompt, str)
-        else tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-        for prompt in prompts
-    ]  # fmt: skip
+    token_ids = [prompt_token_ids(tokenizer, prompt, chat_template_kwargs) for prompt in prompts]
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"
     was_training = model.training
     model.eval()
     completions = []
     try:
-        for start in range(0, len(texts), batch_size):
-            encoded = tokenizer(texts[start : start + batch_size], return_tensors="pt", padding=True,
-                                add_special_tokens=False).to(model.device)  # fmt: skip
-            output = model.generate(
-                **model_inputs(model, dict(encoded)), max_new_tokens=max_new_tokens, do_sample=False,
-                eos_token_id=tokenizer.eos_token_id, pad_token_id=pad_token_id,
-            )  # fmt: skip
+        for start in range(0, len(token_ids), batch_size):
+            encoded = _left_padded(token_ids[start : start + batch_size], pad_token_id, model.device)
+            with unsharded_for_generation(model, gather_all=False) as synced_gpus:
+                output = model.generate(
+                    **model_inputs(model, dict(encoded)), max_new_tokens=max_new_tokens, do_sample=False,
+                    eos_token_id=end_of_sequence_ids(tokenizer, model), pad_token_id=pad_token_id,
+                    synced_gpus=synced_gpus,
+                )  # fmt: skip
             new_tokens = output[:, encoded["input_ids"].shape[1] :]
             completions += tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
     finally:
-        tokenizer.padding_side = padding_side
         model.train(was_training)
     return completions
+
+
+def _left_padded(token_ids: list[list[int]], pad_token_id: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """``input_ids`` and ``attention_mask`` of prompts padded on the left to the longest."""
+    length = max(len(ids) for ids in token_ids)
+    input_ids = torch.tensor([[pad_token_id] * (length - len(ids)) + ids for ids in token_ids], device=device)
+    mask = torch.tensor([[0] * (length - len(ids)) + [1] * len(ids) for ids in token_ids], device=device)
+    return {"input_ids": input_ids, "attention_mask": mask}

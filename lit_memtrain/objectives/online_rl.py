@@ -49,6 +49,7 @@ from lit_memtrain.datamodules.batch import shift_targets
 from lit_memtrain.models.builder import build_training_model, load_sharded
 from lit_memtrain.models.dropout import disable_dropout as disable_dropout_in_model
 from lit_memtrain.models.dropout import dropout_probabilities
+from lit_memtrain.models.generate import end_of_sequence_ids
 from lit_memtrain.models.generation import BACKENDS, GenerationBackend, SamplingSettings
 from lit_memtrain.models.lm_head_fp32 import cast_lm_head_to_fp32
 from lit_memtrain.models.lora import head_weight
@@ -162,13 +163,9 @@ class OnlineRLModule(CausalLMModule):
 
     def eos_token_ids(self) -> list[int]:
         """Every token id that ends a completion: the tokenizer's end of sequence and those of the model's
-        ``generation_config`` (an end-of-turn token), as TRL takes them."""
-        ids = [self.tokenizer.eos_token_id]
-        configured = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
-        for token in [configured] if isinstance(configured, int) else list(configured or []):
-            if token not in ids:
-                ids.append(token)
-        return ids
+        ``generation_config`` (an end-of-turn token), as TRL takes them (:func:`end_of_sequence_ids`, which
+        ``lit-memtrain evaluate`` shares)."""
+        return end_of_sequence_ids(self.tokenizer, self.model)
 
     def optimizer_steps_for(self, micro_batches_per_batch: int) -> int:
         """The run's optimizer steps when each training batch takes ``micro_batches_per_batch`` micro-batches:

@@ -164,7 +164,8 @@ def test_snapshot_spans_every_micro_batch_of_the_chosen_step(monkeypatch, tmp_pa
         monitor.on_train_batch_start(trainer, module, None, batch_idx)
         trainer.global_step = step_after
         monitor.on_train_batch_end(trainer, module, None, None, batch_idx)
-    assert cuda.calls == ["reset", "reset", "reset", "record", "reset", "stop", "reset", "reset"]
+    # The peak counters are reset at each step's first micro-batch (steps 0 and 1 have two, steps 2 and 3 one).
+    assert cuda.calls == ["reset", "reset", "record", "stop", "reset", "reset"]
     assert logged[0] == (
         {"memory/peak_allocated_gib": 3.0, "memory/peak_reserved_gib": 4.0},
         {"prog_bar": True, "on_step": True, "on_epoch": False, "batch_size": 1},
@@ -199,3 +200,27 @@ def test_cuda_logs_peaks_and_writes_snapshot(tmp_path):
     pickle_path, png_path = monitor.snapshot_paths
     assert pickle.loads(pickle_path.read_bytes())["device_traces"]
     assert png_path.stat().st_size > 0
+
+
+def test_the_peak_logged_for_an_optimizer_step_covers_all_its_micro_batches(monkeypatch):
+    """Under gradient accumulation Lightning passes to the logger only what is logged at a step's last micro-batch;
+    that value must be the peak of the whole step, though a step's largest micro-batch came first."""
+    cuda = _FakeCudaMemory(monkeypatch)
+    peak = {"bytes": 0}
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: peak.update(bytes=0))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: peak["bytes"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: peak["bytes"])
+    logged = []
+    module = SimpleNamespace(device=torch.device("cuda", 0), log_dict=lambda metrics, **kwargs: logged.append(metrics))
+    trainer = SimpleNamespace(global_step=0)
+    monitor = MemoryMonitor()
+    # Two optimizer steps of two micro-batches each: step 0 peaks at 6 GiB in its first micro-batch, step 1 at 2 GiB.
+    for batch_idx, (gib, step_after) in enumerate([(6, 0), (1, 1), (2, 1), (1, 2)]):
+        monitor.on_train_batch_start(trainer, module, None, batch_idx)
+        peak["bytes"] = max(peak["bytes"], gib * 2**30)
+        trainer.global_step = step_after
+        monitor.on_train_batch_end(trainer, module, None, None, batch_idx)
+    step_ends = [logged[1], logged[3]]  # what reaches the logger: the last micro-batch of each step
+    assert [metrics["memory/peak_allocated_gib"] for metrics in step_ends] == [6.0, 2.0]
+    assert [metrics["memory/peak_reserved_gib"] for metrics in step_ends] == [6.0, 2.0]
+    assert cuda.calls == []  # no history recorded without snapshot_step

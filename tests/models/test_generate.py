@@ -42,7 +42,7 @@ def _argmax_answer(model_dir: str, prompt: str, max_new_tokens: int) -> str:
     """Greedy decoding by hand: the most likely next token, until eos or ``max_new_tokens``."""
     tokenizer = BertTokenizerFast.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"][:, :-1]  # [CLS] prompt, as training starts a row
     prompt_length = ids.shape[1]
     with torch.no_grad():
         for _ in range(max_new_tokens):

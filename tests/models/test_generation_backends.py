@@ -35,7 +35,7 @@ from lit_memtrain.models.generation import (
 )
 from lit_memtrain.models.generation import vllm_server as vllm_server_module
 from lit_memtrain.models.generation.vllm_common import vllm_requests, vllm_sampling_params
-from lit_memtrain.models.generation.weight_sync import inference_weights
+from lit_memtrain.models.generation.weight_sync import inference_weights, materialized
 from lit_memtrain.models.lora import LoraSettings
 from lit_memtrain.models.presets import build_config
 
@@ -335,6 +335,29 @@ def test_lora_is_merged_for_the_engine_and_the_model_left_as_it_was(model):
     for name, tensor in reference.named_parameters():  # W + scaling x B @ A: a sum over rank 4, and W
         assert_equal_up_to_rounding(sent[name], tensor, name=name, terms=4 + 1)
     assert all(torch.equal(p, before[n]) for n, p in peft_model.named_parameters())
+
+
+
+def test_fused_experts_are_sent_as_the_checkpoint_tensors_they_split_into(tmp_path):
+    """transformers 5 holds a MoE layer's experts as 3-D tensors (mlp.experts.gate_up_proj) that no checkpoint names
+    and vLLM's load_weights refuses: every tensor sent must be one of save_pretrained's, under its name."""
+    from safetensors.torch import load_file
+    from transformers import Qwen3MoeConfig
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4,
+                            num_experts_per_tok=2, vocab_size=128)  # fmt: skip
+    moe = AutoModelForCausalLM.from_config(config)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in dict(moe.named_parameters())
+    moe.save_pretrained(tmp_path)
+    checkpoint = load_file(tmp_path / "model.safetensors")
+    weights = inference_weights(moe)
+    assert {w.name: w.shape for w in weights} == {name: tuple(t.shape) for name, t in checkpoint.items()}
+    sent = dict(materialized(weights, CPU))
+    assert sent.keys() == checkpoint.keys() and all(torch.equal(sent[n], checkpoint[n]) for n in checkpoint)
+    piece = next(w for w in weights if w.name == "model.layers.1.mlp.experts.2.up_proj.weight")
+    assert torch.equal(piece.materialize(CPU), checkpoint[piece.name])  # one piece alone, as a colocated engine asks
 
 
 # --------------------------------------------------------------------------------------------- vLLM server

@@ -54,6 +54,10 @@ def unsharded_for_generation(model: nn.Module, gather_all: bool) -> Iterator[boo
     if not isinstance(model, FSDPModule):
         yield False
         return
+    # FSDP2 makes the first module to run forward the root; PEFT's generate enters a layer first, which it refuses
+    # ("requires running forward through the root module first") before any training forward ran (ExactAnswerAccuracy
+    # scores at fit start). torch has no public call for this; its own root forward makes the same one.
+    model._get_fsdp_state()._lazy_init()
     gathered = [m for m in model.modules() if isinstance(m, FSDPModule)] if gather_all else [model]
     states = [_post_forward_state(module) for module in gathered]
     try:

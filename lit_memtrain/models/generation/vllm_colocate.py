@@ -47,7 +47,7 @@ from lit_memtrain.models.generation.vllm_common import (
     vllm_requests,
     vllm_sampling_params,
 )
-from lit_memtrain.models.generation.weight_sync import inference_weights
+from lit_memtrain.models.generation.weight_sync import inference_weights, materialized
 
 __all__ = ["VLLMColocate"]
 
@@ -211,7 +211,7 @@ class VLLMColocate(GenerationBackend):
         if weights_version == self._weights_version and not self._weights_dropped:
             return
         engine_model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
-        for weight in inference_weights(model):
-            engine_model.load_weights([(weight.name, weight.materialize(device))])
+        for name, tensor in materialized(inference_weights(model), device):  # one tensor at a time
+            engine_model.load_weights([(name, tensor)])
         self.llm.reset_prefix_cache()
         self._weights_version, self._weights_dropped = weights_version, False

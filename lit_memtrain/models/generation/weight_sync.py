@@ -14,6 +14,10 @@ in three ways, each handled here without changing the model:
   tensor at once; every rank must materialize the same weights in the same order.
 - **Tied embeddings**: ``named_parameters`` lists the shared tensor once, under the embedding's name, which is
   what vLLM's ``load_weights`` expects of a model with ``tie_word_embeddings``.
+- **A layout other than the checkpoint's**: transformers 5 fuses a mixture-of-experts layer's experts into 3-D
+  tensors (``mlp.experts.gate_up_proj``), which no checkpoint names and vLLM's ``load_weights`` refuses; such a
+  tensor is sent as the checkpoint's tensors it splits into (``mlp.experts.0.gate_proj.weight``...), by transformers'
+  own reverse conversion (``revert_weight_conversion``, what ``save_pretrained`` writes), gathered once for all.
 
 The shapes and dtypes are known before anything is gathered (:class:`InferenceWeight`), as a vLLM server must be
 told them before the first tensor arrives. Refused, with an error saying why: quantized bases (QLoRA), DoRA, LoRA
@@ -31,6 +35,11 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lit_memtrain.models.lora import is_peft_model
+
+try:  # transformers >= 5 (earlier versions keep every tensor in its checkpoint layout)
+    from transformers.core_model_loading import revert_weight_conversion
+except ImportError:  # pragma: no cover
+    revert_weight_conversion = None
 
 __all__ = ["InferenceWeight", "inference_weights", "materialized"]
 
@@ -50,6 +59,19 @@ class _Delta:
 
 
 @dataclass(frozen=True, eq=False)
+class _Conversion:
+    """A trained tensor held in another layout than the checkpoint's: ``model``'s conversion mapping turns it (named
+    ``trained_name``) into the checkpoint's tensors."""
+
+    model: nn.Module
+    trained_name: str
+
+    def pieces(self, tensor: Tensor) -> dict[str, Tensor]:
+        return {name: piece.contiguous() for name, piece in revert_weight_conversion(
+            self.model, {self.trained_name: tensor}).items()}  # fmt: skip
+
+
+@dataclass(frozen=True, eq=False)
 class InferenceWeight:
     """One tensor an inference engine loads: its checkpoint name, full shape and dtype, and how to build it.
 
@@ -64,9 +86,16 @@ class InferenceWeight:
     dtype: torch.dtype
     source: Tensor
     deltas: tuple[_Delta, ...] = ()
+    conversion: _Conversion | None = None
 
     def materialize(self, device: torch.device) -> Tensor:
-        """The full tensor on ``device``, LoRA merged (a collective under FSDP2: every rank calls it together)."""
+        """The full tensor on ``device``, LoRA merged (a collective under FSDP2: every rank calls it together); of a
+        tensor in another layout, this weight's piece (:func:`materialized` gathers such a tensor once for all)."""
+        merged = self.merged_source(device)
+        return merged if self.conversion is None else self.conversion.pieces(merged)[self.name]
+
+    def merged_source(self, device: torch.device) -> Tensor:
+        """The trained tensor this weight is read from, full, LoRA merged."""
         weight = _full(self.source, device)
         if not self.deltas:
             return weight
@@ -140,17 +169,43 @@ def inference_weights(model: nn.Module) -> list[InferenceWeight]:
     _refuse_quantized(model)
     peft = is_peft_model(model)
     deltas, adapter_parameters = _lora_deltas(model) if peft else ({}, set())
+    base = model.get_base_model() if peft else model
     weights = []
     for name, parameter in model.named_parameters():
         if name in adapter_parameters:
             continue
         checkpoint_name = name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".") if peft else name
-        weights.append(InferenceWeight(checkpoint_name, tuple(parameter.shape), parameter.dtype, parameter,
-                                       deltas.get(name, ())))  # fmt: skip
+        pieces = _checkpoint_pieces(base, checkpoint_name, parameter)
+        if pieces is None:
+            weights.append(InferenceWeight(checkpoint_name, tuple(parameter.shape), parameter.dtype, parameter,
+                                           deltas.get(name, ())))  # fmt: skip
+            continue
+        conversion = _Conversion(base, checkpoint_name)
+        weights += [
+            InferenceWeight(piece_name, tuple(piece.shape), piece.dtype, parameter, deltas.get(name, ()), conversion)
+            for piece_name, piece in pieces.items()
+        ]
     return weights
 
 
+def _checkpoint_pieces(model: nn.Module, name: str, parameter: Tensor) -> dict[str, Tensor] | None:
+    """The checkpoint's tensors (on the meta device) that the trained tensor ``name`` is held in place of, or None
+    when it is the checkpoint's own."""
+    if revert_weight_conversion is None or not hasattr(model, "config"):
+        return None
+    shaped = torch.empty(tuple(parameter.shape), dtype=parameter.dtype, device="meta")
+    pieces = revert_weight_conversion(model, {name: shaped})
+    return None if list(pieces) == [name] else pieces
+
+
 def materialized(weights: list[InferenceWeight], device: torch.device) -> Iterator[tuple[str, Tensor]]:
-    """``(name, full tensor)`` of each of ``weights`` in order, one at a time (the stream an engine loads)."""
+    """``(name, full tensor)`` of each of ``weights`` in order, one at a time (the stream an engine loads); a tensor
+    held in another layout than the checkpoint's is gathered once for the checkpoint tensors it splits into."""
+    conversion, pieces = None, {}
     for weight in weights:
-        yield weight.name, weight.materialize(device)
+        if weight.conversion is None:
+            yield weight.name, weight.materialize(device)
+            continue
+        if weight.conversion is not conversion:
+            conversion, pieces = weight.conversion, weight.conversion.pieces(weight.merged_source(device))
+        yield weight.name, pieces.pop(weight.name)
