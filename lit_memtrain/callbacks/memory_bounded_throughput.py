@@ -87,6 +87,14 @@ class MemoryBoundedThroughput(Callback):
         if self._started_at is None:
             _synchronize(pl_module.device)
             self._started_at = time.perf_counter()
+        if not isinstance(batch, dict) or not {"num_tokens", "attention_mask", "input_ids"} & batch.keys():
+            found = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
+            raise ValueError(
+                "MemoryBoundedThroughput counts a batch's tokens from its num_tokens, attention_mask or input_ids, and "
+                f"this fit's batches have none ({found}): an online-RL batch holds prompts, its trained tokens are "
+                "generated inside the step. Use it on fits whose batches hold the tokens they train (SFT, DPO, "
+                "reward models), or leave it out."
+            )
         self._tokens = self._tokens + count_tokens(batch)  # a device tensor when counted there: no sync
 
     @override

@@ -129,3 +129,21 @@ def test_works_on_a_users_own_module_and_never_imports_ours(tmp_path):
         rows = [row for row in csv.DictReader(file) if row.get("sweep/objective")]
     assert float(rows[-1]["sweep/tokens"]) == 5 + 7 + 9
     assert float(rows[-1]["sweep/objective"]) > 0
+
+
+def test_an_online_rl_fit_whose_batches_hold_prompts_is_refused_saying_why(tmp_path):
+    """A GRPO batch holds prompts (its trained tokens are generated in the step): counting them would score the sweep
+    on prompt tokens; the callback says so instead of a KeyError."""
+    import datasets
+
+    from lit_memtrain.datamodules.prompts import PromptDataModule
+    from lit_memtrain.objectives.grpo import GRPOModule
+
+    module = GRPOModule(preset="tiny-qwen3", tokenizer="lit-memtrain/embedded", num_generations=2,
+                        reward_funcs=[lambda completions, **kwargs: [float(len(c)) for c in completions]])  # fmt: skip
+    trainer = Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                      callbacks=[MemoryBoundedThroughput(max_memory_gib=1, warmup_steps=0)])  # fmt: skip
+    prompts = datasets.Dataset.from_list([{"prompt": f"{i} + 1 ="} for i in range(4)])
+    with pytest.raises(ValueError, match=r"none \(\['columns', 'prompt', 'prompt_ids'\]\): an online-RL batch"):
+        trainer.fit(module, datamodule=PromptDataModule(dataset=prompts, batch_size=2, seed=0))
