@@ -28,6 +28,10 @@ __all__ = ["ARCHITECTURE_ROPE_KEYS", "check_rope_override"]
 ARCHITECTURE_ROPE_KEYS = ("partial_rotary_factor", "rope_theta")
 """Keys of ``rope_parameters`` that belong to the model, whatever its RoPE scaling: an override must keep them."""
 
+_READ_WHEN_ABSENT = {"partial_rotary_factor": 1.0}
+"""What transformers reads for a key an override leaves out (``rope_parameters.get(key, 1.0)``): a model whose own value
+is that one (Phi-3 keeps ``partial_rotary_factor: 1.0``) computes the same without it, and is not refused."""
+
 
 def _is_per_layer_type(parameters: dict[str, Any]) -> bool:
     """Whether ``parameters`` holds one dict per layer type (Gemma 3's ``full_attention`` / ``sliding_attention``)."""
@@ -59,7 +63,8 @@ def check_rope_override(own_config: Any, override: Any) -> None:
     ]
     for where, own_parameters, given in pairs:
         missing = {key: own_parameters[key] for key in ARCHITECTURE_ROPE_KEYS if key in own_parameters}
-        missing = {key: value for key, value in missing.items() if key not in given}
+        missing = {key: value for key, value in missing.items()
+                   if key not in given and value != _READ_WHEN_ABSENT.get(key)}  # fmt: skip
         if missing:
             left_out = ", ".join(f"{key}={value!r}" for key, value in missing.items())
             raise ValueError(

@@ -234,6 +234,10 @@ class GRPOModule(OnlineRLModule):
             min_p=min_p, repetition_penalty=repetition_penalty, do_sample=do_sample,
             generation_kwargs=generation_kwargs,
         )  # fmt: skip
+        # Checkpoints written while generation_batch_size was a parameter here hold it, None unless given, in their
+        # hyper-parameters, which load_from_checkpoint (lit-memtrain export) passes back: None asks for nothing.
+        if "generation_batch_size" in kwargs and kwargs["generation_batch_size"] is None:
+            del kwargs["generation_batch_size"]
         refuse_trl_fields(type(self).__name__, kwargs)  # a TRL field not offered: its name and the reason
         check_generation_backend(generation_backend, generation_options, sampling)  # before any model or tokenizer work
         loss_options = PolicyLossOptions(

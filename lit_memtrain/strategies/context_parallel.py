@@ -277,9 +277,14 @@ class ContextParallelStrategy(FSDP2Strategy):
             )
         mesh = self.context_parallel_mesh
         ring = (lambda layout: torch_ring_attention(mesh, layout)) if self._uses_torch_ring() else None
-        self._attention = install_checked_attention(
-            self._model_to_split, mesh.get_group(), self.method, self.inner, self.ring_backend, self.pad_token_id, ring
-        )
+        # The probe computes as a training step does: under bf16-mixed, in autocast's dtype. Outside it the stage-start
+        # hooks compute in the fp32 weights' dtype, which flash-attn's kernels (inner="flash_attention_2", the model's
+        # own flash_attention_2) refuse, so a fit that trains fine failed before its first batch.
+        with self.precision_plugin.forward_context():
+            self._attention = install_checked_attention(
+                self._model_to_split, mesh.get_group(), self.method, self.inner, self.ring_backend, self.pad_token_id,
+                ring,
+            )  # fmt: skip
 
     def _log_padding(self, layout: ShardLayout) -> None:
         if layout.padding and not self._padding_logged:

@@ -120,6 +120,25 @@ def test_a_yarn_override_that_drops_the_models_partial_rotary_factor_is_refused(
         _module(config_overrides={"rope_parameters": {"rope_type": "linear", "factor": 2.0}})
 
 
+def test_a_rope_override_may_leave_out_a_partial_rotary_factor_of_one():
+    """Phi-3 keeps partial_rotary_factor 1.0 in its rope_parameters, the value transformers reads when the key is
+    absent: a LongRoPE dict without it rotates every head dimension as the model does, and is not refused."""
+    config = {"model_type": "phi3", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 48,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 64, "original_max_position_embeddings": 16,
+              "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
+    base = CausalLMModule(config=config)
+    base.configure_model()
+    assert base.model.config.rope_parameters["partial_rotary_factor"] == 1.0
+    longrope = {"rope_type": "longrope", "rope_theta": base.model.config.rope_parameters["rope_theta"],
+                "short_factor": [1.0] * 4, "long_factor": [2.0] * 4, "original_max_position_embeddings": 16}
+    module = CausalLMModule(config=config, model_init_kwargs={"rope_parameters": longrope})
+    module.configure_model()
+    rotary, own_rotary = module.model.model.rotary_emb, base.model.model.rotary_emb
+    assert rotary.rope_type == "longrope"
+    assert rotary.inv_freq.shape == own_rotary.inv_freq.shape == (4,)  # head_dim 8: every dimension rotates
+
+
 def test_a_single_yarn_dict_for_a_model_with_rope_parameters_per_layer_type_is_refused():
     """Gemma 3 keeps rope_parameters per layer type: given one YaRN dict, transformers kept each type's own and no
     layer scaled its positions, silently."""

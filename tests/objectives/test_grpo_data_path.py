@@ -8,6 +8,7 @@ import copy
 import logging
 
 import datasets
+import lightning
 import pytest
 import torch
 from equivalence import TINY_MODEL_TERMS, assert_each_equal_up_to_rounding
@@ -146,6 +147,23 @@ def test_generation_batch_size_is_refused_with_its_translation():
     with pytest.raises(ValueError, match=r"GRPOModule has no generation_batch_size .*use PromptDataModule\(batch_size="
                        r"generation_batch_size / \(num_generations x ranks\)\) and steps_per_generation="):
         _module(accumulation=1, generation_batch_size=6, steps_per_generation=None)
+
+
+def test_a_checkpoint_saved_while_generation_batch_size_was_a_parameter_still_loads(tmp_path):
+    """Checkpoints of GRPO / RLOO fits written before the refusal hold generation_batch_size=None in their
+    hyper-parameters (save_hyperparameters keeps every default); load_from_checkpoint (and so lit-memtrain export)
+    builds the module from them, and was refused."""
+    module = _module(accumulation=1)
+    hparams = {**module.hparams, "generation_batch_size": None}
+    checkpoint = {"state_dict": module.state_dict(), "hyper_parameters": hparams,
+                  "pytorch-lightning_version": lightning.__version__}  # fmt: skip
+    torch.save(checkpoint, tmp_path / "old.ckpt")
+    loaded = GRPOModule.load_from_checkpoint(  # objects are given again, as the hyper-parameters name them only
+        tmp_path / "old.ckpt", weights_only=False, reward_funcs=[_token_sum],
+        generation_backend=PromptCompletions(SamplingSettings(max_completion_length=3), [2], 0),
+    )  # fmt: skip
+    assert "generation_batch_size" not in loaded.hparams
+    assert_each_equal_up_to_rounding(dict(loaded.state_dict()), dict(module.state_dict()), terms=1)
 
 
 @pytest.mark.parametrize("loss_type", ["chunked", "nll"])

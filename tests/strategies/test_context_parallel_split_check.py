@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 from gloo_ranks import run_on_gloo_ranks
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
 from torch.utils.data import DataLoader
 
 from lit_memtrain.datamodules.padding_free import PaddingFreeCollator
@@ -24,7 +24,7 @@ QWEN3 = {"model_type": "qwen3", "vocab_size": 64, "hidden_size": 32, "intermedia
 CASES = [("bamba", "ulysses"), ("bamba", "ring"), ("qwen3", "ulysses"), ("qwen3", "ring")]
 
 
-def _fit(config: dict, method: str, root: Path) -> CausalLMModule:
+def _fit(config: dict, method: str, root: Path, precision: str = "32-true", callbacks: tuple = ()) -> CausalLMModule:
     torch.manual_seed(0)
     module = CausalLMModule(config=config, attn_implementation="sdpa_by_document", warmup=0)
     generator = torch.Generator().manual_seed(1)
@@ -32,9 +32,9 @@ def _fit(config: dict, method: str, root: Path) -> CausalLMModule:
                                                               for n in (9, 7))]  # fmt: skip
     rows = DataLoader([PaddingFreeCollator(pad_token_id=0)(documents)], batch_size=None)
     trainer = Trainer(
-        accelerator="cpu", devices=2, strategy=ContextParallelStrategy(2, method=method), max_steps=1, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
-        use_distributed_sampler=False, default_root_dir=root,
+        accelerator="cpu", devices=2, strategy=ContextParallelStrategy(2, method=method), precision=precision,
+        max_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        num_sanity_val_steps=0, use_distributed_sampler=False, default_root_dir=root, callbacks=list(callbacks),
     )  # fmt: skip
     trainer.fit(module, rows)
     return module
@@ -63,3 +63,32 @@ def test_a_mamba_hybrid_is_refused_before_training_and_a_transformer_trains(tmp_
             assert result.startswith("refused: BambaForCausalLM computes something else on a row split over 2 "), result
             assert "from token 8 (the first after a shard boundary is 8)" in result, result
             assert "Train it without context parallelism (FSDP2Strategy" in result, result
+
+
+class _FirstForwardDtype(Callback):
+    """Records the dtype of the logits of the model's first forward after training starts: the strategy's split probe,
+    which runs right after the callbacks' and the module's on_train_start."""
+
+    def __init__(self) -> None:
+        self.dtypes: list[torch.dtype] = []
+
+    def on_train_start(self, trainer: Trainer, pl_module: CausalLMModule) -> None:
+        def record(module: torch.nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+            self.dtypes.append(output.logits.dtype)
+            handle.remove()
+
+        handle = pl_module.model.register_forward_hook(record, with_kwargs=True)
+
+
+def _bf16_mixed_worker(rank: int, out: Path) -> None:
+    probe = _FirstForwardDtype()
+    module = _fit(QWEN3, "ulysses", out, "bf16-mixed", (probe,))
+    (out / f"rank{rank}.txt").write_text(f"{probe.dtypes} {module.first_train_loss is not None}")
+
+
+def test_the_split_probe_computes_in_the_dtype_a_bf16_mixed_step_computes_in(tmp_path):
+    """Under precision="bf16-mixed" the probe ran outside autocast, in the fp32 weights' dtype, which flash-attn's
+    kernels refuse (inner="flash_attention_2"): a fit that trains in bf16 failed at its start on CUDA."""
+    run_on_gloo_ranks(_bf16_mixed_worker, (tmp_path,), world=2, errors=tmp_path, timeout_s=300)
+    for rank in range(2):
+        assert (tmp_path / f"rank{rank}.txt").read_text() == "[torch.bfloat16] True"
