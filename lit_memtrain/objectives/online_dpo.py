@@ -26,7 +26,8 @@ One training step (one batch of ``P`` prompts on each rank), as TRL 1.16's ``Onl
 
 TRL's ``OnlineDPOConfig`` has ``generation_kwargs`` and ``disable_dropout`` (default True), taken here under those
 names; it has none of GRPO's ``cast_lm_head_to_fp32``, ``sync_ref_model``, ``num_generations_eval``,
-``generation_batch_size`` or vLLM importance-sampling correction, which are refused with that reason, nor adds a
+``generation_batch_size`` (which GRPOModule refuses too, with its translation) or vLLM importance-sampling
+correction, which are refused with that reason, nor adds a
 mixture-of-experts router's load-balancing loss: a model with routers is refused at fit start unless
 ``router_aux_loss_coef=0``. TRL's trainer keeps an epoch's last, smaller batch: ``PromptDataModule(drop_last=False)``
 does the same (its default, True, is TRL's GRPO sampler's).

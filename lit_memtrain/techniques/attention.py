@@ -357,8 +357,9 @@ def choose_document_attention(model: torch.nn.Module, device: torch.device, half
     :func:`varlen_by_document` (torch's ``varlen_attn``, which itself falls back to per-document SDPA for fp32)
     when this torch has it; elsewhere
     (and as the fallback) ``sdpa_by_document``. A model without SDPA support (Gemma 2's attention softcap,
-    GPT-OSS's sinks) keeps ``eager``, which transformers splits by document. Implementations other than
-    ``sdpa_by_document`` and ``eager`` are checked by the module's packed-row probe.
+    GPT-OSS's sinks) keeps ``eager``. Whichever is chosen, the module's packed-row probe checks at setup that
+    packed documents stay apart (eager does not for every model, and a model's non-attention layers can carry state
+    from one document into the next whatever the attention).
     """
     if not getattr(model, "_supports_sdpa", False):
         return "eager"
